@@ -1,0 +1,326 @@
+"""The embedded, offline testbed: a synthetic multi-level reasoning task and tiny causal LMs.
+
+The task is mental addition of single digits, one character per token:
+
+    prompt      Q:7+5+3\\nA:
+    completion  15<eos>
+    solution    7+5=12 12+3=15
+
+Level L sums more operands (2, 3, 4, 6 and 9 of them). The model answers directly, so
+longer sums are harder to do "in its head"; the warm start rarely sees 6 operands and
+never 9, so accuracy falls from near-perfect at level 1 to about zero at level 5. The
+step-by-step solution is what guidance reveals (a prefix gives away partial sums). Every problem also carries its reference solution
+(used as a solution prefix for guidance) and candidate knowledge points: the facts the
+solution uses (helpful) and true facts it does not use (distractors).
+
+The models are Qwen2-architecture transformers with a byte-level tokenizer (256 byte
+symbols plus three specials), built with `transformers` and `tokenizers` only, then
+warm-started by supervised training on reference solutions so that RL has headroom.
+They are cached under `~/.cache/tinypost/` (override with `TINYPOST_CACHE`), keyed by
+a hash of the recipe, and rebuilt when missing or corrupt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import zlib
+from dataclasses import asdict, dataclass, field
+
+LEVELS = (1, 2, 3, 4, 5)
+OPERANDS = {1: 2, 2: 3, 3: 4, 4: 6, 5: 9}
+"""Level -> number of single-digit operands (the chain has one step fewer)."""
+PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+TESTBED_MODELS = ("testbed-weak", "testbed-strong")
+
+
+@dataclass
+class Problem:
+    """One verifiable problem, whatever its source (testbed, HF dataset, JSONL)."""
+
+    question: str
+    """the question text, before any prompt template"""
+    answer: str
+    """the verifiable final answer"""
+    level: int = 0
+    """difficulty level (testbed: number of addition steps; 0 when unknown)"""
+    solution: str = ""
+    """a step-by-step reference solution ('' when the source has none)"""
+    hints: list = field(default_factory=list)
+    """candidate knowledge points (short facts)"""
+    hint_helpful: list = field(default_factory=list)
+    """for each hint, whether the reference solution uses it"""
+    task: str = "testbed"
+    """'testbed' (compact prompt, exact integer check) or 'math' (chat prompt, math-verify)"""
+    uid: str = ""
+    """stable identifier of the problem"""
+
+
+# ----------------------------------------------------------------------------------------
+# The task
+# ----------------------------------------------------------------------------------------
+
+
+def is_heldout(question: str) -> bool:
+    """A fixed quarter of all possible questions is held out for evaluation, at every level."""
+    return zlib.crc32(question.encode()) % 4 == 0
+
+
+def make_problem(operands: list[int], rng: random.Random, level: int = 0) -> Problem:
+    """Build the question, reference solution and knowledge points for one operand list.
+
+    >>> make_problem([7, 5, 3], random.Random(0)).solution
+    '7+5=12 12+3=15'
+    """
+    steps, total = [], operands[0]
+    for x in operands[1:]:
+        steps.append(f"{total}+{x}={total + x}")
+        total += x
+    question = "+".join(str(x) for x in operands)
+    distractors = []
+    while len(distractors) < 2:
+        a, b = rng.randint(1, 9 * len(operands)), rng.randint(1, 9)
+        fact = f"{a}+{b}={a + b}"
+        if fact not in steps and fact not in distractors:
+            distractors.append(fact)
+    helpful = steps[-2:]  # the late steps are where long chains go wrong
+    hints = [(h, True) for h in helpful] + [(d, False) for d in distractors]
+    rng.shuffle(hints)
+    return Problem(
+        question=question,
+        answer=str(total),
+        level=level,
+        solution=" ".join(steps),
+        hints=[h for h, _ in hints],
+        hint_helpful=[u for _, u in hints],
+        task="testbed",
+        uid=f"L{level}:{question}",
+    )
+
+
+def make_suite(split: str, levels=LEVELS, n_per_level: int = 500, seed: int = 0) -> list[Problem]:
+    """`n_per_level` problems per level from the `split` ('train' or 'test') side of the fixed split.
+
+    Deterministic in (split, levels, n_per_level, seed). A level with fewer distinct
+    questions than asked for (level 1 has 81 in all) repeats them.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    want_test = split == "test"
+    problems = []
+    for level in levels:
+        if level not in LEVELS:
+            raise ValueError(f"testbed level {level} does not exist; levels are {LEVELS}")
+        rng = random.Random(f"{seed}-{split}-{level}")
+        seen, count, tries = set(), 0, 0
+        while count < n_per_level:
+            operands = [rng.randint(1, 9) for _ in range(OPERANDS[level])]
+            question = "+".join(map(str, operands))
+            tries += 1
+            if is_heldout(question) != want_test:
+                continue
+            if question in seen and tries < 20 * n_per_level:
+                continue
+            seen.add(question)
+            problems.append(make_problem(operands, rng, level))
+            count += 1
+    return problems
+
+
+def render_testbed_prompt(question: str, hints=(), solution_prefix: str | None = None) -> str:
+    """The compact prompt the testbed models are trained on; hints and a solution prefix are optional."""
+    lines = [f"Hint:{h}\n" for h in hints]
+    if solution_prefix is not None:
+        lines.append(f"Ref:{solution_prefix}\n")
+    return "".join(lines) + f"Q:{question}\nA:"
+
+
+# ----------------------------------------------------------------------------------------
+# The models
+# ----------------------------------------------------------------------------------------
+
+RECIPES = {
+    "testbed-weak": dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=450, lr=3e-3, batch=32),
+    "testbed-strong": dict(hidden=256, layers=4, heads=8, intermediate=1024, sft_steps=200, lr=2e-3, batch=32),
+}
+SFT_LEVEL_WEIGHTS = {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.1, 5: 0.0}
+"""Supervised mix: long chains are rare or absent, so the hard levels need RL (or guidance)."""
+SFT_GUIDED_FRACTION = 0.25
+"""Fraction of supervised examples whose prompt carries hints or a solution prefix."""
+RECIPE_VERSION = 2
+
+
+def recipe_hash(name: str) -> str:
+    blob = json.dumps(
+        dict(v=RECIPE_VERSION, recipe=RECIPES[name], mix=SFT_LEVEL_WEIGHTS, guided=SFT_GUIDED_FRACTION),
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def cache_root() -> str:
+    root = os.environ.get("TINYPOST_CACHE")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "tinypost")
+    return root
+
+
+def model_dir(name: str) -> str:
+    return os.path.join(cache_root(), f"{name}-{recipe_hash(name)}")
+
+
+def build_tokenizer():
+    """Byte-level tokenizer: 256 byte symbols, no merges, pad/chat-start/eos specials.
+
+    The pipeline is exactly the one transformers 5 rebuilds for a `qwen2` folder, so
+    ids are identical after `AutoTokenizer.from_pretrained`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([PAD, BOS_CHAT, EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
+
+
+def build_model(name: str, tokenizer, seed: int = 0):
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    r = RECIPES[name]
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=r["hidden"],
+        num_hidden_layers=r["layers"],
+        num_attention_heads=r["heads"],
+        num_key_value_heads=r["heads"],
+        intermediate_size=r["intermediate"],
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=False
+    )
+    return model
+
+
+def sft_example(rng: random.Random, problems: list[Problem], weights: list[float]) -> tuple[str, str]:
+    """One supervised (prompt, completion) pair; some carry hints or a solution prefix."""
+    p = rng.choices(problems, weights=weights)[0]
+    u = rng.random()
+    if u < SFT_GUIDED_FRACTION / 2:
+        prompt = render_testbed_prompt(p.question, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if ok])
+    elif u < SFT_GUIDED_FRACTION:
+        words = p.solution.split(" ")
+        prompt = render_testbed_prompt(p.question, solution_prefix=" ".join(words[: rng.randint(1, len(words))]))
+    else:
+        prompt = render_testbed_prompt(p.question)
+    return prompt, p.answer
+
+
+def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True):
+    """Supervised training on reference solutions (loss on completion tokens only)."""
+    import torch
+    from tqdm import tqdm
+
+    r = RECIPES[name]
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    problems = make_suite("train", n_per_level=2000, seed=seed)
+    weights = [SFT_LEVEL_WEIGHTS[p.level] for p in problems]
+    opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = 30
+
+    def lr_at(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (r["sft_steps"] - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    eos = tokenizer.eos_token_id
+    model.train()
+    bar = tqdm(range(r["sft_steps"]), desc=f"warm-starting {name}", disable=not progress, leave=False)
+    for _ in bar:
+        pairs = [sft_example(rng, problems, weights) for _ in range(r["batch"])]
+        prompt_ids = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+        comp_ids = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+        seqs = [a + b + [eos] for a, b in zip(prompt_ids, comp_ids)]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+        labels = torch.full((len(seqs), width), -100)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, (s, a) in enumerate(zip(seqs, prompt_ids)):  # right padding: positions start at 0
+            ids[i, : len(s)] = torch.tensor(s)
+            attn[i, : len(s)] = 1
+            labels[i, len(a) : len(s)] = torch.tensor(s[len(a) :])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return model
+
+
+def _is_valid(path: str, name: str) -> bool:
+    try:
+        with open(os.path.join(path, "TESTBED_DONE.json")) as f:
+            meta = json.load(f)
+        if meta.get("recipe_hash") != recipe_hash(name):
+            return False
+        return all(
+            os.path.getsize(os.path.join(path, fn)) > 0
+            for fn in ("config.json", "model.safetensors", "tokenizer.json")
+        )
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_testbed_model(name: str, progress: bool = True) -> str:
+    """Return the folder of a warm-started testbed model, building it once if missing or corrupt."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown testbed model {name!r}; choose one of {sorted(RECIPES)}")
+    path = model_dir(name)
+    if _is_valid(path, name):
+        return path
+    import torch
+
+    print(f"[testbed] building {name} into {path} (once; cached afterwards)")
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    threads = torch.get_num_threads()
+    tokenizer = build_tokenizer()
+    model = build_model(name, tokenizer)
+    warm_start(model, tokenizer, name, progress=progress)
+    torch.set_num_threads(threads)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
+        json.dump(dict(name=name, recipe_hash=recipe_hash(name), recipe=RECIPES[name]), f)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def problem_to_dict(p: Problem) -> dict:
+    return asdict(p)

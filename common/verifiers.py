@@ -1,0 +1,178 @@
+"""Verifiable rewards: the testbed checker, a math checker on math-verify, a format reward.
+
+Every reward function returns a float and never raises on model output: garbage,
+empty strings and pathological expressions score 0.
+
+math-verify's own timeouts use `signal.alarm`, which only works on the main thread, and
+SymPy can hang for minutes on inputs like `9^{9^{9^{9}}}`. So the symbolic check runs in
+a small pool of worker processes with a wall-clock limit per answer; a worker that
+overruns is killed, its answer scores 0, and the pool is rebuilt. This is thread-safe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import re
+import threading
+
+_TESTBED_FORMAT = re.compile(r"^-?\d+$")
+
+
+def testbed_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion is exactly the answer (surrounding whitespace ignored).
+
+    >>> testbed_reward("15", "15"), testbed_reward(" 15", "15"), testbed_reward("15 or 16", "15")
+    (1.0, 1.0, 0.0)
+    """
+    return float(completion.strip() == answer.strip())
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (balanced braces), or None.
+
+    >>> last_boxed(r"so \\boxed{1} or rather \\boxed{\\frac{1}{2}}.")
+    '\\\\frac{1}{2}'
+    """
+    start = text.rfind("\\boxed")
+    while start != -1:
+        i = start + len("\\boxed")
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    return text[i + 1 : j]
+            return None  # unbalanced: the answer was cut off
+        start = text.rfind("\\boxed", 0, start)
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: the last `\\boxed{}`, else what follows the last `####`."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        return tail.split("\n")[0].strip().rstrip(".").replace(",", "") or None
+    return None
+
+
+def _normalise(s: str) -> str:
+    s = s.strip().strip("$").replace(" ", "").replace("\\!", "").replace(",", "")
+    s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace("dfrac", "frac").replace("tfrac", "frac")
+    return s.rstrip(".")
+
+
+def _symbolic_equal(pred: str, gold: str) -> bool:
+    """Runs inside a worker process: math-verify with its own (signal-based) timeouts off."""
+    import logging
+
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that we disabled its alarms
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
+    pred_parsed = parse(f"${pred}$", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+class _Pool:
+    """A lazily created process pool that can be killed and rebuilt after a timeout."""
+
+    def __init__(self, workers: int = 2):
+        self.workers, self.lock, self.pool = workers, threading.Lock(), None
+
+    def get(self) -> cf.ProcessPoolExecutor:
+        with self.lock:
+            if self.pool is None:
+                # forkserver: never fork a process that holds torch's thread pools
+                self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("forkserver"))
+            return self.pool
+
+    def kill(self, pool: cf.ProcessPoolExecutor) -> None:
+        with self.lock:
+            if self.pool is not pool:
+                return  # another thread already rebuilt it
+            for proc in list((pool._processes or {}).values()):
+                proc.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+
+_POOL = _Pool()
+
+
+def math_rewards(completions: list[str], answers: list[str], timeout: float = 5.0) -> list[float]:
+    """1.0 where the completion's final answer equals the gold answer (symbolically), else 0.0.
+
+    Exact string matches (after light normalisation) skip SymPy. Each symbolic check
+    gets `timeout` seconds of wall clock; overruns and errors score 0.
+    """
+    rewards, pending = [0.0] * len(completions), {}
+    for i, (text, gold) in enumerate(zip(completions, answers)):
+        pred = extract_answer(text or "")
+        if pred is None or gold is None or len(pred) > 1000:
+            continue
+        if _normalise(pred) == _normalise(str(gold)):
+            rewards[i] = 1.0
+        else:
+            pending[i] = (pred, str(gold))
+    if not pending:
+        return rewards
+    while pending:
+        pool = _POOL.get()
+        try:
+            futures = {i: pool.submit(_symbolic_equal, p, g) for i, (p, g) in pending.items()}
+        except RuntimeError:  # the pool broke (a worker died): rebuild and retry
+            _POOL.kill(pool)
+            continue
+        hung = None
+        for i, fut in futures.items():
+            try:
+                rewards[i] = float(fut.result(timeout=timeout))
+            except cf.TimeoutError:
+                hung = i
+                break
+            except Exception:  # noqa: BLE001 - garbage in, zero out
+                rewards[i] = 0.0
+            del pending[i]
+        if hung is None:
+            break
+        del pending[hung]  # it scores 0; kill its worker and re-run the answers still queued
+        for i, fut in futures.items():
+            if i in pending and fut.done() and fut.exception() is None:
+                rewards[i] = float(fut.result())
+                del pending[i]
+        _POOL.kill(pool)
+    return rewards
+
+
+def math_reward(completion: str, answer: str, timeout: float = 5.0) -> float:
+    return math_rewards([completion], [answer], timeout)[0]
+
+
+def format_reward(completion: str, task: str) -> float:
+    """1.0 when the completion has the task's answer format (testbed: a bare integer; math: a `\\boxed{}`)."""
+    if task == "testbed":
+        return float(bool(_TESTBED_FORMAT.match(completion.strip())))
+    return float(last_boxed(completion) is not None)
+
+
+def score(completions: list[str], problems: list, timeout: float = 5.0) -> list[float]:
+    """Correctness reward for each (completion, problem) pair, dispatched on `problem.task`."""
+    rewards = [0.0] * len(completions)
+    math_idx = [i for i, p in enumerate(problems) if p.task != "testbed"]
+    for i, p in enumerate(problems):
+        if p.task == "testbed":
+            rewards[i] = testbed_reward(completions[i], p.answer)
+    if math_idx:
+        for i, r in zip(math_idx, math_rewards([completions[i] for i in math_idx],
+                                                 [problems[i].answer for i in math_idx], timeout)):
+            rewards[i] = r
+    return rewards

@@ -1,0 +1,63 @@
+"""common/rollout.py: masks, chunked log-probs, and trainer log-probs equal to the sampler's."""
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.rollout import HFEngine, batched_logprobs, completion_logprobs, completion_mask, left_pad
+
+
+def test_completion_mask_keeps_first_eos_and_drops_the_rest():
+    mask, has_eos = completion_mask(torch.tensor([[5, 9, 9, 3], [9, 4, 4, 4], [5, 6, 7, 8]]), eos_id=9)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert has_eos.tolist() == [True, True, False]
+
+
+def test_left_pad_aligns_prompts_on_the_right():
+    ids, mask = left_pad([[1, 2, 3], [4]], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_chunked_logprobs_equal_naive_full_logits(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    B, P, C, T = 5, 4, 6, 0.7
+    ids = torch.randint(0, 256, (B, P + C))
+    attn = torch.ones_like(ids)
+    attn[0, :2] = 0
+    attn[3, :3] = 0
+    logp, entropy = completion_logprobs(model, ids, attn, P, T, with_entropy=True)
+    # naive: every position's full logits, one row at a time without padding
+    for b in range(B):
+        real = ids[b, attn[b].bool()]
+        logits = model(input_ids=real[None]).logits[0] / T
+        n_prompt = int(attn[b, :P].sum())
+        lp = F.log_softmax(logits, -1)[n_prompt - 1 : -1].gather(-1, real[n_prompt:, None]).squeeze(-1)
+        assert torch.allclose(logp[b], lp, atol=1e-5), b
+        p = F.softmax(logits[n_prompt - 1 : -1], -1)
+        assert torch.allclose(entropy[b], -(p * p.clamp_min(1e-30).log()).sum(-1), atol=1e-4)
+
+
+def test_trainer_logprobs_equal_sampler_logprobs(weak_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
+    tok = AutoTokenizer.from_pretrained(weak_model_dir)
+    engine = HFEngine(model, tok)
+    prompts = [tok("Q:3+4+5\nA:")["input_ids"], tok("Hint:7+5=12\nQ:1+2\nA:")["input_ids"]]  # unequal lengths
+    torch.manual_seed(0)
+    ro = engine.generate(prompts, n=4, temperature=0.7, max_new_tokens=24, return_logprobs=True)
+    assert ro.input_ids_BT.shape[0] == 8 and ro.prompt_len == max(map(len, prompts))
+    trainer = batched_logprobs(model, ro, temperature=0.7, micro_batch_size=3)
+    m = ro.completion_mask_BC.bool()
+    assert m.sum() > 8
+    assert (trainer - ro.sampler_logp_BC)[m].abs().max().item() < 1e-4
+
+
+def test_engine_ignores_the_models_generation_config(weak_model_dir):
+    """A real model's generation_config (top_k, repetition penalty) must not change on-policy sampling."""
+    model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
+    tok = AutoTokenizer.from_pretrained(weak_model_dir)
+    model.generation_config.top_k = 1  # would make sampling greedy if it leaked through
+    engine = HFEngine(model, tok)
+    torch.manual_seed(0)
+    ro = engine.generate([tok("Q:3+4+5\nA:")["input_ids"]], n=32, temperature=1.5, max_new_tokens=16)
+    assert len(set(ro.texts)) > 1

@@ -1,0 +1,62 @@
+"""common/testbed.py: a deterministic suite with disjoint splits, a cached model, and headroom by level."""
+
+import os
+
+import torch
+
+from common import testbed
+from common.evaluate import evaluate
+from common.models import load_model, load_tokenizer
+from common.rollout import HFEngine
+
+
+def test_suite_is_deterministic_and_splits_are_disjoint():
+    a, b = testbed.make_suite("train", seed=5), testbed.make_suite("train", seed=5)
+    assert [p.question for p in a] == [p.question for p in b]
+    assert [p.question for p in testbed.make_suite("train", seed=6)] != [p.question for p in a]
+    test_q = {p.question for p in testbed.make_suite("test", n_per_level=300)}
+    assert not test_q & {p.question for p in a}
+
+
+def test_problem_fields_are_consistent():
+    for p in testbed.make_suite("test", n_per_level=20):
+        total = sum(int(x) for x in p.question.split("+"))
+        assert p.answer == str(total) and p.solution.endswith(f"={total}")
+        assert len(p.solution.split(" ")) == testbed.OPERANDS[p.level] - 1
+        assert any(p.hint_helpful) and not all(p.hint_helpful)
+        for hint, helpful in zip(p.hints, p.hint_helpful):
+            assert (hint in p.solution) == helpful
+
+
+def test_model_build_is_deterministic_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "a"))
+    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(testbed.RECIPES["testbed-weak"], sft_steps=3))
+    path = testbed.ensure_testbed_model("testbed-weak", progress=False)
+    w1 = load_model(path).state_dict()
+    monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "b"))
+    w2 = load_model(testbed.ensure_testbed_model("testbed-weak", progress=False)).state_dict()
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    # corrupt the cached weights: the next call rebuilds instead of failing
+    with open(os.path.join(testbed.model_dir("testbed-weak"), "model.safetensors"), "wb") as f:
+        f.write(b"")
+    path = testbed.ensure_testbed_model("testbed-weak", progress=False)
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) > 0
+
+
+def test_tokenizer_roundtrips_through_autotokenizer(weak_model_dir):
+    tok = load_tokenizer(weak_model_dir)
+    text = "Hint:12+3=15\nQ:7+5+3\nA:15 é"
+    assert tok(text)["input_ids"] == testbed.build_tokenizer()(text)["input_ids"]
+    assert tok.decode(tok(text)["input_ids"]) == text and tok.pad_token_id != tok.eos_token_id
+
+
+def test_warm_started_model_has_headroom_spread_over_levels(weak_model_dir):
+    model, tok = load_model(weak_model_dir), load_tokenizer(weak_model_dir)
+    acc = {}
+    for level in testbed.LEVELS:
+        problems = testbed.make_suite("test", levels=(level,), n_per_level=100)
+        acc[level] = evaluate(HFEngine(model, tok), tok, problems, max_new_tokens=64)["eval/greedy_accuracy"]
+    print(acc)
+    assert acc[1] > 0.8 and acc[5] < 0.1
+    assert 0.25 <= acc[3] <= 0.65  # the default level leaves room for RL
+    assert acc[1] > acc[3] > acc[4] >= acc[5]
