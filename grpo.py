@@ -113,7 +113,7 @@ class Args:
     """weight of the format reward added to the correctness reward"""
 
     # Optimisation
-    total_steps: int = 120
+    total_steps: int = 300
     """number of GRPO steps (rollout + update)"""
     learning_rate: float = 5e-5
     """AdamW learning rate (constant after warmup)"""
@@ -150,7 +150,7 @@ class Args:
     """drop groups whose rewards are all equal from the loss (they have zero advantage anyway)"""
 
     # Evaluation
-    eval_every: int = 20
+    eval_every: int = 50
     """evaluate every N steps (0: only before and after training)"""
     num_eval_problems: int = 200
     """held-out problems per evaluation"""

@@ -33,7 +33,6 @@ def test_help_documents_every_flag():
     text = out.getvalue()
     for f in fields(grpo.Args):
         assert "--" + f.name.replace("_", "-") in text, f.name
-    assert grpo.Args.__doc__ is None or True
     # every field has a docstring: tyro prints it; a field without one shows only its type
     import inspect
     src = inspect.getsource(grpo.Args)
@@ -57,8 +56,10 @@ def test_short_run_raises_reward_and_changes_every_parameter(tmp_path, weak_mode
     from common.models import load_model
 
     start = {k: v.clone() for k, v in load_model(weak_model_dir).state_dict().items()}
-    out = grpo.main(_args(tmp_path, "--total-steps", "16", "--num-prompts", "8", "--group-size", "8",
-                          "--learning-rate", "5e-4", "--levels", "3", "--run-name", "learn", "--max-new-tokens", "24"))
+    # a small fixed problem set, so that 20 steps are enough to see the reward move
+    out = grpo.main(_args(tmp_path, "--total-steps", "20", "--num-prompts", "8", "--group-size", "8",
+                          "--learning-rate", "1e-4", "--levels", "3", "--num-train-problems", "16",
+                          "--run-name", "learn", "--max-new-tokens", "6"))
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in rows[:5]) / 5, sum(r["reward/mean"] for r in rows[-5:]) / 5
     assert last > first + 0.05, (first, last)

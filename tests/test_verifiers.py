@@ -3,13 +3,14 @@
 import threading
 import time
 
-from common.verifiers import extract_answer, format_reward, last_boxed, math_rewards, testbed_reward
+from common.verifiers import extract_answer, format_reward, last_boxed, math_rewards
+from common.verifiers import testbed_reward as check_testbed
 
 
 def test_testbed_checker_wants_exactly_the_answer():
-    assert testbed_reward("9", "9") == 1.0 and testbed_reward(" 9\n", "9") == 1.0
-    assert testbed_reward("90", "9") == 0.0 and testbed_reward("9 9", "9") == 0.0
-    assert testbed_reward("", "9") == 0.0
+    assert check_testbed("9", "9") == 1.0 and check_testbed(" 9\n", "9") == 1.0
+    assert check_testbed("90", "9") == 0.0 and check_testbed("9 9", "9") == 0.0
+    assert check_testbed("", "9") == 0.0
 
 
 def test_answer_extraction_prefers_last_balanced_boxed_then_hashes():
