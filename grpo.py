@@ -81,6 +81,10 @@ class Args:
     """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
     dataset_config: str | None = None
     """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split used for training (Hugging Face datasets)"""
+    eval_dataset: str = ""
+    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
     eval_split: str = "test"
     """split used for held-out evaluation"""
     levels: tuple[int, ...] = (3,)
@@ -265,11 +269,12 @@ def main(args: Args) -> dict:
         args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
     tokenizer = load_tokenizer(args.model_name)
-    levels = args.levels
-    train_problems = load_problems(args.dataset, "train", levels, args.num_train_problems, args.seed,
-                                   args.dataset_config, args.question_field, args.answer_field, args.solution_field)
-    eval_problems = load_problems(args.dataset, args.eval_split, levels, args.num_eval_problems, args.seed,
-                                  args.dataset_config, args.question_field, args.answer_field, args.solution_field)
+    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
+                   answer_field=args.answer_field, solution_field=args.solution_field)
+    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
+                                   **fields_)
+    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
+                                  args.num_eval_problems, args.seed, **fields_)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)

@@ -3,6 +3,7 @@
     --dataset testbed                 the embedded suite (levels from --levels)
     --dataset data/train.jsonl        one JSON object per line
     --dataset openai/gsm8k            any HF dataset (GSM8K, MATH-500 and similar fields)
+    --dataset data/                   a local folder of train/test files, read by `datasets`
 
 Field names are detected (question/problem/prompt, answer/ground_truth, solution, level)
 or set with the field options. A GSM8K-style answer ("... #### 72") is split into the
@@ -76,10 +77,10 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
                   level_field: str | None = None) -> list[Problem]:
     """The problems of one split. `num_problems` > 0 keeps the first that many."""
     if dataset == "testbed":
-        problems = make_suite("test" if split == "test" else "train", levels=tuple(levels),
+        problems = make_suite("test" if split in ("test", "validation") else "train", levels=tuple(levels),
                               n_per_level=num_problems or 500, seed=seed)
         return problems
-    if dataset.endswith((".jsonl", ".json")) or os.path.sep in dataset and os.path.exists(dataset):
+    if dataset.endswith((".jsonl", ".json")) and not os.path.isdir(dataset):
         if not os.path.exists(dataset):
             fail(f"dataset file {dataset!r} does not exist")
         rows = []
@@ -96,7 +97,7 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
             import datasets
         except ImportError:
             fail(f"loading the Hugging Face dataset {dataset!r} needs `pip install datasets`")
-        hf_split = {"test": "test", "train": "train"}.get(split, split)
+        hf_split = split
         try:
             rows = list(datasets.load_dataset(dataset, dataset_config, split=hf_split))
         except Exception as e:  # noqa: BLE001 - the hub/cache raises many types

@@ -79,3 +79,16 @@ def test_sampler_resumes_at_the_same_position():
     b = PromptSampler(problems, seed=3)
     b.load_state_dict(state)
     assert b.next(8) == expected
+
+
+def test_local_folder_goes_through_hf_datasets_with_splits(tmp_path):
+    """The Hugging Face loading path (datasets.load_dataset), offline, on a folder of split files."""
+    folder = tmp_path / "mathset"
+    folder.mkdir()
+    _write(folder / "train.jsonl", [{"problem": f"p{i}", "answer": str(i), "level": "Level 2"} for i in range(3)])
+    _write(folder / "test.jsonl", [{"problem": "q", "answer": "7", "level": "Level 5"}])
+    train, test = load_problems(str(folder), "train"), load_problems(str(folder), "test")
+    assert [p.question for p in train] == ["p0", "p1", "p2"] and [p.level for p in train] == [2, 2, 2]
+    assert [(p.question, p.answer, p.level) for p in test] == [("q", "7", 5)]
+    with pytest.raises(SystemExit, match="could not load dataset"):
+        load_problems(str(folder), "validation")
