@@ -1,0 +1,557 @@
+"""RLOO with a Self-Evolving Curriculum (SEC, Chen et al. 2025, arXiv 2505.14970; RLOO: Ahmadian et al.
+2024, "Back to Basics", arXiv 2402.14740).
+
+RLOO: for each prompt x, sample G completions, score them with a verifier, and use the
+leave-one-out baseline as the advantage of every token of a completion (no std scaling):
+
+    A_i = r_i - 1/(G-1) sum_{j != i} r_j                 ( = G/(G-1) (r_i - mean_j r_j) )
+    J   = E[ agg_{i,t} min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) ]
+    r_i <- r_i - beta sum_t (log pi_old(y_it) - log pi_ref(y_it))       (KL folded into the reward, beta > 0)
+
+With one epoch and one mini-batch rho = 1 and the loss is REINFORCE with the leave-one-out
+baseline, -A_i sum_t log pi(y_it) / B with the default `seq_sum` aggregation; with
+`num_iterations` > 1 it is PPO-clip on the same advantages.
+
+SEC: the prompt sampler is a non-stationary multi-armed bandit over categories ("arms":
+difficulty levels, or success-rate buckets discovered from the rewards). Each prompt slot
+draws an arm from a Boltzmann policy over the non-empty arms, then a problem uniformly
+from that arm; after the rollouts, every arm in the batch is rewarded with the mean
+absolute advantage of ALL its rollouts (all-correct and all-wrong groups count as 0):
+
+    pi(c)    = exp(Q(c)/tau) / sum_c' exp(Q(c')/tau)              (over arms with problems)
+    r_t(c)   = mean_{rollouts i of arm c in the batch} |A_i|      (E = 2 p_c (1 - p_c) for RLOO, 0/1 rewards)
+    Q(c)    <- alpha r_t(c) + (1 - alpha) Q(c)                    (TD(0), sampled arms only; non-finite skipped)
+
+so the curriculum prefers the arms whose success rate is near 1/2, where RLOO groups are
+not degenerate. `--curriculum estimated` needs no labels: a per-problem success-rate EMA
+(unseen problems 0.5) puts problems in K buckets (bucket 0 hardest), re-indexed every few
+steps (on the small CPU demo it then trains on a handful of bucketed problems and does
+worse than uniform: benchmarks/sec_benchmark.md). `--curriculum uniform` is the baseline
+(arms drawn uniformly, the bandit only logged) and `--arm-signal reward|success` the
+paper's ablation (the bandit then chases easy arms).
+
+Left out, on purpose: a value model and entropy bonus (RLOO has none), SEC with a learned
+or multi-key category (one key: the level, or the estimated bucket), sharing the
+per-problem success rates across ranks under torchrun (Q-values are shared: arm sums and
+counts are all-reduced; each rank keeps its own success-rate table), sequence packing.
+
+    python rloo_sec.py                                      # embedded CPU demo, levels 1-5, a few minutes
+    python rloo_sec.py --curriculum estimated               # difficulty discovered from rewards
+    python rloo_sec.py --model-name Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset-config main \\
+        --curriculum estimated --device cuda --dtype bfloat16 --max-new-tokens 512 --num-prompts 64 \\
+        --group-size 8 --micro-batch-size 16 --learning-rate 1e-6 --total-steps 200
+    python rloo_sec.py --dataset math_train.jsonl --eval-dataset math_test.jsonl ...   # a 'level' field gives the arms
+    torchrun --nproc-per-node 8 rloo_sec.py --model-name ... --device cuda   # data parallel, one rank per GPU
+"""
+
+import copy
+import math
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+from common.data import encode_prompts, load_problems, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.evaluate import evaluate
+from common.logger import (RunLogger, find_checkpoint, load_trainer_state, save_checkpoint, set_rng_state,
+                           truncate_metrics)
+from common.models import load_model, load_tokenizer
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.verifiers import format_reward, score
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (prefix of the run folder)"""
+    seed: int = 1
+    """seed of python, numpy and torch (each rank adds its rank)"""
+    run_name: str = ""
+    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: str = ""
+    """path of a run folder to continue from its latest checkpoint"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
+    wandb_project: str = "tinypost"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    device: str = "cpu"
+    """torch device ('cpu', 'cuda')"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the policy weights"""
+
+    # Model and data
+    model_name: str = "testbed-weak"
+    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+    dataset: str = "testbed"
+    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
+    dataset_config: str | None = None
+    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split used for training (Hugging Face datasets)"""
+    eval_dataset: str = ""
+    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
+    eval_split: str = "test"
+    """split used for held-out evaluation"""
+    levels: tuple[int, ...] = (1, 2, 3, 4, 5)
+    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest); with several, SEC has arms"""
+    question_field: str | None = None
+    """record field holding the question (auto-detected when unset)"""
+    answer_field: str | None = None
+    """record field holding the final answer (auto-detected when unset)"""
+    solution_field: str | None = None
+    """record field holding a reference solution (optional)"""
+    num_train_problems: int = 0
+    """keep only this many training problems (0: all; testbed: 500 per level)"""
+    max_prompt_tokens: int = 0
+    """truncate prompts to their last N tokens (0: never)"""
+
+    # Rollouts
+    rollout_backend: Literal["hf"] = "hf"
+    """generation engine ('hf': model.generate on the training weights)"""
+    num_prompts: int = 16
+    """prompts per step (per rank)"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
+    max_new_tokens: int = 8
+    """completion length cap; completions without eos are 'truncated'"""
+    format_reward_weight: float = 0.0
+    """weight of the format reward added to the correctness reward"""
+
+    # Optimisation
+    total_steps: int = 300
+    """number of RLOO steps (rollout + update)"""
+    learning_rate: float = 5e-5
+    """AdamW learning rate (constant after warmup)"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over each rollout batch"""
+    num_iterations: int = 1
+    """PPO epochs over each rollout batch (1: REINFORCE with the leave-one-out baseline; > 1: PPO-clip)"""
+    micro_batch_size: int = 32
+    """rows per forward/backward; gradients do not depend on it"""
+
+    # Algorithm
+    clip_low: float = 0.2
+    """ratio clipped below at 1 - clip_low (active only with several epochs or mini-batches)"""
+    clip_high: float = 0.2
+    """ratio clipped above at 1 + clip_high"""
+    loss_agg: Literal["seq_sum", "token_mean", "seq_mean_token_mean", "constant"] = "seq_sum"
+    """seq_sum: sum over tokens and sequences / sequences (RLOO paper: -A_i sum_t log pi); token_mean: sum / tokens;
+    seq_mean_token_mean: mean of per-sequence means; constant: sum / (sequences x max_new_tokens)"""
+    beta: float = 0.0
+    """KL coefficient, folded into the reward: r_i - beta sum_t (logp_old - logp_ref) (0: no reference model)"""
+
+    # Curriculum (SEC)
+    curriculum: Literal["label", "estimated", "uniform"] = "label"
+    """label: one arm per problem level; estimated: arms are success-rate buckets learned from rewards;
+    uniform: arms (by level) drawn uniformly, the bandit is only logged (baseline)"""
+    arm_signal: Literal["advantage", "reward", "success"] = "advantage"
+    """arm reward: mean |A| of the arm's rollouts (SEC); mean reward or success rate (ablations)"""
+    sec_tau: float = 0.4
+    """Boltzmann temperature tau of the curriculum policy softmax(Q / tau)"""
+    sec_alpha: float = 0.5
+    """TD(0) step size alpha: Q <- alpha r + (1 - alpha) Q"""
+    sec_q_init: float = 0.0
+    """initial Q-value of every arm"""
+    num_buckets: int = 5
+    """K: success-rate buckets in estimated mode (bucket 0 hardest)"""
+    reindex_every: int = 5
+    """estimated mode: re-bucket problems every N steps"""
+    success_ema: float = 0.3
+    """estimated mode: per-problem success rate p <- (1 - ema) p + ema s/G (first observation: p = s/G)"""
+
+    # Evaluation
+    eval_every: int = 50
+    """evaluate every N steps (0: only before and after training)"""
+    num_eval_problems: int = 200
+    """held-out problems per evaluation"""
+    eval_samples: int = 4
+    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
+    eval_pass_k: int = 4
+    """k of the logged eval/pass_at_k"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """rollouts per step per rank = num_prompts * group_size"""
+    minibatch_size: int = 0
+    """rollouts per optimizer step = batch_size // num_minibatches"""
+
+
+# ALGO LOGIC: RLOO advantages and the clipped objective
+def rloo_advantages(rewards_PG: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out advantage r_i - mean_{j != i} r_j of each completion, and whether its group had zero reward std.
+
+    >>> a, z = rloo_advantages(torch.tensor([[1., 0., 0.], [1., 1., 1.]])); a, z
+    (tensor([[ 1.0000, -0.5000, -0.5000],
+            [ 0.0000,  0.0000,  0.0000]]), tensor([False,  True]))
+    """
+    G = rewards_PG.shape[1]
+    baseline_PG = (rewards_PG.sum(1, keepdim=True) - rewards_PG) / (G - 1)
+    zero_std_P = (rewards_PG.max(1).values - rewards_PG.min(1).values) == 0
+    return rewards_PG - baseline_PG, zero_std_P
+
+
+def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: float):
+    """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
+    ratio_BC = torch.exp(logp_BC - old_logp_BC)
+    adv_B1 = adv_B.unsqueeze(1)
+    unclipped = -ratio_BC * adv_B1
+    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
+    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+    summed_B = (token_loss_BC * mask_BC).sum(1)
+    if mode == "seq_sum":
+        return summed_B.sum() / max(num_seqs, 1.0)
+    if mode == "token_mean":
+        return summed_B.sum() / max(num_tokens, 1.0)
+    if mode == "seq_mean_token_mean":
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+    if mode == "constant":
+        return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+    """RLOO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
+    device = next(model.parameters()).device
+    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    mask_BC = batch["mask_BC"][rows].to(device)
+    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+                                              with_entropy=True)
+    old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
+    pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
+                                          args.clip_low, args.clip_high)
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    loss = agg(pg_BC)
+    with torch.no_grad():
+        log_ratio = logp_BC - old_logp_BC
+        stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
+            "loss/policy": loss.item(),
+            "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+        }
+    return loss, stats
+
+
+# ALGO LOGIC: the SEC curriculum, a Boltzmann bandit over arms of problems
+@dataclass
+class Curriculum:
+    """Arms (lists of indices into the training problems), their Q-values, and in estimated mode
+    the success-rate EMA of every problem seen so far (keyed by uid). Saved in checkpoints."""
+
+    names: list
+    """arm names: the level (label, uniform) or the bucket index, 0 hardest (estimated)"""
+    arms: list
+    """problem indices of each arm"""
+    q: list
+    """Q(c) of each arm"""
+    rate: dict = field(default_factory=dict)
+    """estimated mode: uid -> success-rate EMA"""
+    steps: int = 0
+    """feedback steps seen (re-bucketing clock)"""
+    rng: random.Random = field(default_factory=random.Random)
+    """draws arms and problems (its state is checkpointed)"""
+
+    def state_dict(self) -> dict:
+        return {"names": self.names, "arms": self.arms, "q": self.q, "rate": self.rate, "steps": self.steps,
+                "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.names, self.arms, self.q = state["names"], state["arms"], state["q"]
+        self.rate, self.steps = state["rate"], state["steps"]
+        self.rng.setstate(state["rng"])
+
+
+def arm_probs(q: list, sizes: list, tau: float, uniform: bool = False) -> list:
+    """softmax(Q / tau) over the arms that have problems; empty arms get probability 0.
+
+    >>> [round(p, 4) for p in arm_probs([0.0, 0.4, 9.0], [5, 5, 0], tau=0.4)]
+    [0.2689, 0.7311, 0.0]
+    """
+    live = [i for i, n in enumerate(sizes) if n > 0]
+    if not live:
+        raise SystemExit("error: every curriculum arm is empty (no training problems)")
+    logits = [0.0 if uniform else q[i] / tau for i in live]
+    top = max(logits)
+    w = [math.exp(x - top) for x in logits]
+    probs = [0.0] * len(q)
+    for i, wi in zip(live, w):
+        probs[i] = wi / sum(w)
+    return probs
+
+
+def sample_batch(cur: Curriculum, problems: list, n: int, probs: list) -> tuple[list, list]:
+    """For each of n prompt slots: an arm c ~ probs, then a problem uniformly from that arm."""
+    arm_P = cur.rng.choices(range(len(probs)), weights=probs, k=n)
+    return arm_P, [problems[cur.rng.choice(cur.arms[c])] for c in arm_P]
+
+
+def arm_feedback(signal_B: torch.Tensor, arm_B: torch.Tensor, num_arms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and count of the per-rollout signal of each arm (every rollout counts, zero advantages included)."""
+    sums_A = torch.zeros(num_arms, dtype=torch.float64).index_add_(0, arm_B, signal_B.double())
+    return sums_A, torch.bincount(arm_B, minlength=num_arms).double()
+
+
+def td_update(q: list, sums_A: torch.Tensor, counts_A: torch.Tensor, alpha: float) -> list:
+    """Q(c) <- alpha r(c) + (1 - alpha) Q(c) with r(c) = sum / count, for arms in the batch with a finite r(c).
+
+    >>> td_update([0.0, 1.0, 0.5], torch.tensor([2.0, 0.0, float("nan")]), torch.tensor([4.0, 0.0, 2.0]), 0.5)
+    [0.25, 1.0, 0.5]
+    """
+    new = list(q)
+    for c in range(len(q)):
+        if counts_A[c] > 0:
+            r = (sums_A[c] / counts_A[c]).item()
+            if math.isfinite(r):
+                new[c] = alpha * r + (1 - alpha) * q[c]
+    return new
+
+
+def update_success_rates(rate: dict, uids: list, success_P: list, ema: float) -> None:
+    """Per-problem success-rate EMA: the first observation sets it, later ones move it by `ema`."""
+    for uid, s in zip(uids, success_P):
+        rate[uid] = s if uid not in rate else (1 - ema) * rate[uid] + ema * s
+
+
+def bucket_arms(problems: list, rate: dict, num_buckets: int) -> list:
+    """Problem indices per success-rate bucket min(floor(p K), K - 1) (bucket 0 hardest; unseen p = 0.5)."""
+    arms = [[] for _ in range(num_buckets)]
+    for i, p in enumerate(problems):
+        arms[min(int(rate.get(p.uid, 0.5) * num_buckets), num_buckets - 1)].append(i)
+    return arms
+
+
+def make_curriculum(problems: list, args: Args, seed: int) -> Curriculum:
+    """Arms by level (label, uniform) or all problems in the unseen-problem bucket (estimated)."""
+    if args.curriculum == "estimated":
+        names, arms = [str(b) for b in range(args.num_buckets)], bucket_arms(problems, {}, args.num_buckets)
+    else:
+        levels = sorted({p.level for p in problems})
+        names = [str(lv) for lv in levels]
+        arms = [[i for i, p in enumerate(problems) if p.level == lv] for lv in levels]
+    return Curriculum(names, arms, [args.sec_q_init] * len(arms), rng=random.Random(seed))
+
+
+def main(args: Args) -> dict:
+    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    rank, world, device = init_distributed(args.device)
+    args.batch_size = args.num_prompts * args.group_size
+    if args.batch_size % args.num_minibatches:
+        raise SystemExit(f"error: batch size {args.batch_size} is not divisible by num_minibatches {args.num_minibatches}")
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    if args.group_size < 2:
+        raise SystemExit("error: group_size must be at least 2 (a group baseline needs two samples)")
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_dir = args.resume.rstrip("/") or os.path.join(
+        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+
+    tokenizer = load_tokenizer(args.model_name)
+    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
+                   answer_field=args.answer_field, solution_field=args.solution_field)
+    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
+                                   **fields_)
+    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
+                                  args.num_eval_problems, args.seed, **fields_)
+    model = load_model(args.model_name, args.dtype, device)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    sampler = make_curriculum(train_problems, args, args.seed + rank)
+    train_levels = sorted({p.level for p in train_problems})
+    engine = make_engine(args.rollout_backend, model, tokenizer)
+
+    start_step, first_eval = 0, None
+    if args.resume:
+        ckpt = find_checkpoint(run_dir)
+        if ckpt is None:
+            raise SystemExit(f"error: --resume {args.resume}: no checkpoint found in that folder")
+        state = load_trainer_state(ckpt)
+        model.load_state_dict(load_model(ckpt, args.dtype, device).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        start_step, first_eval = state["step"], state.get("first_eval")
+        engine.sync_weights(model)
+        if rank == 0:
+            truncate_metrics(run_dir, start_step)
+            print(f"resumed {run_dir} from step {start_step}")
+    logger = RunLogger(args, run_dir, enabled=rank == 0)
+
+    def run_eval():
+        return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
+                        args.temperature, args.eval_pass_k, args.max_prompt_tokens)
+
+    if first_eval is None:
+        first_eval = run_eval()
+        logger.log(start_step, first_eval)
+    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
+               initial=start_step, total=args.total_steps)
+    metrics = {}
+    for step in bar:
+        t_step = time.time()
+        # ALGO LOGIC: 1. SEC batch: an arm per prompt slot from softmax(Q / tau), a problem uniformly from it
+        probs = arm_probs(sampler.q, [len(a) for a in sampler.arms], args.sec_tau, args.curriculum == "uniform")
+        arm_P, problems = sample_batch(sampler, train_problems, args.num_prompts, probs)
+        # 1. Rollouts: G completions for each of num_prompts prompts
+        prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
+        t0 = time.time()
+        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens)
+        t_gen = time.time() - t0
+
+        # 2. Rewards from the verifier
+        t0 = time.time()
+        group_problems = [p for p in problems for _ in range(args.group_size)]
+        correct_B = torch.tensor(score(rollouts.texts, group_problems))
+        rewards_B = correct_B.clone()
+        if args.format_reward_weight:
+            rewards_B += args.format_reward_weight * torch.tensor(
+                [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
+        t_score = time.time() - t0
+
+        # 3. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly
+        t0 = time.time()
+        mask_BC = rollouts.completion_mask_BC.clone()
+        needs_old = args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
+        old_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size) if needs_old else None
+        ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                       if ref_model is not None else None)
+        t_logp = time.time() - t0
+
+        # ALGO LOGIC: 4. leave-one-out advantages (all-equal groups get exactly 0), KL folded into the reward
+        G = args.group_size
+        adv_PG, zero_std_P = rloo_advantages(rewards_B.view(-1, G))
+        seq_kl_B = torch.zeros_like(rewards_B)
+        if ref_model is not None:  # r_i - beta sum_t (logp_old - logp_ref); zero_std stays the verifier's
+            seq_kl_B = ((old_logp_BC - ref_logp_BC) * mask_BC).sum(1)
+            adv_PG = rloo_advantages((rewards_B - args.beta * seq_kl_B).view(-1, G))[0]
+        adv_B = adv_PG.flatten()
+        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B, old_logp_BC=old_logp_BC)
+
+        # ALGO LOGIC: 4b. SEC: arm reward = mean signal over ALL the arm's rollouts; TD(0) on the sampled arms only
+        arm_B = torch.tensor(arm_P).repeat_interleave(G)
+        signal_B = {"advantage": adv_B.abs(), "reward": rewards_B, "success": correct_B}[args.arm_signal]
+        num_arms = len(sampler.arms)
+        sums_A, counts_A = arm_feedback(signal_B, arm_B, num_arms)
+        abs_adv_A = arm_feedback(adv_B.abs(), arm_B, num_arms)[0]
+        success_A = arm_feedback(correct_B, arm_B, num_arms)[0]
+        sums_A, counts_A, abs_adv_A, success_A = all_reduce_sum(torch.stack([sums_A, counts_A, abs_adv_A, success_A]))
+        sampler.q = td_update(sampler.q, sums_A, counts_A, args.sec_alpha)
+        sampler.steps += 1
+        if args.curriculum == "estimated":  # difficulty from the rewards already computed: no extra rollouts
+            update_success_rates(sampler.rate, [p.uid for p in problems], correct_B.view(-1, G).mean(1).tolist(),
+                                 args.success_ema)
+            if sampler.steps % args.reindex_every == 0:
+                sampler.arms = bucket_arms(train_problems, sampler.rate, args.num_buckets)
+
+        # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
+        t0 = time.time()
+        sums, grad_norms = {}, []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+            for mb in order.split(args.minibatch_size):
+                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
+                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
+                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
+                norm = {"tokens": norm_t[0].item(),
+                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
+                optimizer.zero_grad(set_to_none=True)
+                for rows in mb.split(args.micro_batch_size):
+                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
+                    loss.backward()
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                all_reduce_grads(model)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                optimizer.step()
+            scheduler.step()
+        engine.sync_weights(model)
+        t_update = time.time() - t0
+
+        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        n_updates = args.num_iterations * args.num_minibatches
+        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
+        gen_tokens = rollouts.lengths_B.sum().item()
+        metrics = {
+            "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
+            "train/accuracy": correct_B.mean().item(),
+            "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
+            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": seq_kl_B.mean().item(),
+            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
+            "policy/entropy": sums["policy/entropy"] / n_tok,
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": scheduler.get_last_lr()[0],
+            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
+            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
+            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
+            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        }
+        for c, name in enumerate(sampler.names):  # SEC: where the bandit puts its mass, and what each arm returns
+            n = counts_A[c].item()
+            metrics.update({f"sec/q/arm_{name}": sampler.q[c], f"sec/prob/arm_{name}": probs[c],
+                            f"sec/count/arm_{name}": n / G, f"sec/size/arm_{name}": float(len(sampler.arms[c])),
+                            f"sec/mean_abs_adv/arm_{name}": abs_adv_A[c].item() / n if n else float("nan"),
+                            f"sec/success/arm_{name}": success_A[c].item() / n if n else float("nan")})
+        metrics.update({f"sec/level_frac/level_{lv}": sum(p.level == lv for p in problems) / len(problems)
+                        for lv in train_levels})
+        metrics = all_reduce_mean(metrics)
+        if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
+            metrics.update(run_eval())
+        metrics["perf/step_time"] = time.time() - t_step
+        logger.log(step, metrics, bar)
+        if rank == 0 and ((args.save_every and step % args.save_every == 0) or step == args.total_steps):
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer,
+                            {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+                             "first_eval": first_eval})
+
+    final_eval = run_eval()
+    logger.log(args.total_steps, final_eval)
+    logger.close()
+    if rank == 0:
+        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
+        print(f"held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
+              f"run folder {run_dir}")
+        per_level = [k for k in final_eval if k.startswith("eval/greedy_accuracy/level_")]
+        if per_level:
+            print("per level: " + ", ".join(
+                f"L{k.rsplit('_', 1)[1]} {first_eval.get(k, 0.0):.2f} -> {final_eval[k]:.2f}" for k in per_level))
+    return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
