@@ -145,7 +145,7 @@ def render_testbed_prompt(question: str, hints=(), solution_prefix: str | None =
 
 RECIPES = {
     "testbed-weak": dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=450, lr=3e-3, batch=32),
-    "testbed-strong": dict(hidden=192, layers=4, heads=6, intermediate=768, sft_steps=450, lr=3e-3, batch=32),
+    "testbed-strong": dict(hidden=128, layers=8, heads=4, intermediate=512, sft_steps=450, lr=3e-3, batch=32),
 }
 SFT_LEVEL_WEIGHTS = {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.1, 5: 0.0}
 """Supervised mix: long chains are rare or absent, so the hard levels need RL (or guidance)."""
