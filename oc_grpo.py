@@ -1,0 +1,606 @@
+"""OC-GRPO: Off-Context GRPO (Learning to Reason on Hard Problems using Privileged Information, arXiv 2607.19313).
+
+GRPO (grpo.py) plus guidance for groups that get no signal. When all G unguided rollouts of a
+prompt x fail, roll out again from guided prompts x~_f that carry the first fraction f of the
+reference solution (f = 0.2, 0.4, 0.6, 0.8, 1.0 in turn) and replace the WHOLE group by the G
+rollouts of the lowest f that produced a success (groups no f rescues keep zero advantage).
+Guided responses y are trained as if they answered the UNGUIDED prompt: old log-probs, the ratio
+and the loss all use [x|y]; one extra no-grad pass on [x~|y] gives the context-shift weight
+
+    w_it = clip( pi_old(y_it | x, y_i<t) / pi_old(y_it | x~, y_i<t), c_min, 1 )        (c_min = 0.01)
+    J    = E[ token_mean_{i,t} min(rho_it w_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) w_it A_i) ]
+    rho_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t)                 (on-context PPO ratio)
+
+The weight multiplies the detached advantage (not the ratio) and is truncated at 1: tokens the
+guidance made more likely (copied from the prefix) are down-weighted, none is up-weighted;
+unguided rows have w = 1. Ablations: --correction none (guided rows, no weight) or
+per_token_uniform (one weight exp(mean_t(logp_x - logp_x~)) per row), --prompt-mode hinted
+(train on [x~|y], BREAD/POPE-style: no context shift, so no weight), and --guidance fixed
+(OC-GRPO-Fixed: before training, the base model probes each problem's cascade once; the
+training rows are the original problems plus one guided row x~_f* per solvable problem, rolled
+out from x~ and trained on x with the same weight).
+
+Left out, on purpose: veRL's dual-clip (c = 3) for negative advantages (grpo.py has none, and
+a diff should show only the guidance), the system prompt and "Reference solution:" wording of
+the paper's chat prompts (common.data.render_prompt builds the guided prompt: testbed
+"Ref:<prefix>" line, real data "Partial reference solution: ..."), hint (non-prefix)
+guidance and the "replacement2" mode that swaps only correct guided samples into a group,
+and the is_weight_power knob.
+
+Metrics beyond grpo.py's (per step and rank): guide/zero_reward_groups (unguided groups whose rollouts all
+fail), guide/rescued_groups and guide/frac_rescued (= rescued / zero-reward), guide/guided_groups (groups
+trained on guided rollouts), guide/groups_at_f<f> (the histogram of chosen prefix fractions) and
+guide/fraction_mean (their mean, 0 when none), is/weight_mean, is/weight_min, is/frac_at_clamp (over the
+guided rows' tokens; 1, 1, 0 when none), time/guidance. train/accuracy is that of the unguided rollouts only
+(before any replacement); reward/* and adv/* describe the batch that is trained on.
+
+    python oc_grpo.py                                       # embedded CPU demo on testbed level 5 (all-fail groups)
+    python oc_grpo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset hard_train.jsonl \\
+        --eval-dataset hard_test.jsonl --solution-field solution --device cuda --dtype bfloat16 \\
+        --max-new-tokens 1024 --num-prompts 32 --group-size 16 --temperature 0.7 --micro-batch-size 16 \\
+        --learning-rate 1e-6 --total-steps 64
+    torchrun --nproc-per-node 8 oc_grpo.py --model-name ... --device cuda   # data parallel, one rank per GPU
+"""
+
+import copy
+import os
+import random
+import re
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.evaluate import evaluate
+from common.logger import (RunLogger, find_checkpoint, load_trainer_state, save_checkpoint, set_rng_state,
+                           truncate_metrics)
+from common.models import load_model, load_tokenizer
+from common.rollout import Rollouts, batched_logprobs, completion_logprobs, left_pad, make_engine
+from common.verifiers import format_reward, score
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (prefix of the run folder)"""
+    seed: int = 1
+    """seed of python, numpy and torch (each rank adds its rank)"""
+    run_name: str = ""
+    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: str = ""
+    """path of a run folder to continue from its latest checkpoint"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
+    wandb_project: str = "tinypost"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    device: str = "cpu"
+    """torch device ('cpu', 'cuda')"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the policy weights"""
+
+    # Model and data
+    model_name: str = "testbed-weak"
+    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+    dataset: str = "testbed"
+    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
+    dataset_config: str | None = None
+    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split used for training (Hugging Face datasets)"""
+    eval_dataset: str = ""
+    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
+    eval_split: str = "test"
+    """split used for held-out evaluation"""
+    levels: tuple[int, ...] = (5,)
+    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
+    question_field: str | None = None
+    """record field holding the question (auto-detected when unset)"""
+    answer_field: str | None = None
+    """record field holding the final answer (auto-detected when unset)"""
+    solution_field: str | None = None
+    """record field holding a reference solution (optional)"""
+    num_train_problems: int = 0
+    """keep only this many training problems (0: all; testbed: 500 per level)"""
+    max_prompt_tokens: int = 0
+    """truncate prompts to their last N tokens (0: never)"""
+
+    # Rollouts
+    rollout_backend: Literal["hf"] = "hf"
+    """generation engine ('hf': model.generate on the training weights)"""
+    num_prompts: int = 16
+    """prompts per step (per rank)"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
+    max_new_tokens: int = 8
+    """completion length cap; completions without eos are 'truncated'"""
+    format_reward_weight: float = 0.0
+    """weight of the format reward added to the correctness reward"""
+
+    # Optimisation
+    total_steps: int = 300
+    """number of GRPO steps (rollout + update)"""
+    learning_rate: float = 5e-5
+    """AdamW learning rate (constant after warmup)"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over each rollout batch"""
+    num_iterations: int = 1
+    """PPO epochs over each rollout batch (mu in the GRPO paper)"""
+    micro_batch_size: int = 32
+    """rows per forward/backward; gradients do not depend on it"""
+
+    # Algorithm
+    adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
+    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch"""
+    adv_eps: float = 1e-6
+    """eps in the advantage denominator (std is the biased, numpy-style one)"""
+    clip_low: float = 0.2
+    """ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """ratio clipped above at 1 + clip_high (0.28 = DAPO clip-higher)"""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """token_mean: sum / tokens in the mini-batch; seq_mean_token_mean: mean over sequences of per-sequence means;
+    constant: sum / (sequences x max_new_tokens) (Dr. GRPO)"""
+    beta: float = 0.0
+    """KL coefficient to the initial policy (0: no reference model is loaded)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d"""
+    filter_zero_std: bool = False
+    """drop groups whose rewards are all equal from the loss (they have zero advantage anyway)"""
+    guidance: Literal["adaptive", "fixed"] = "adaptive"
+    """adaptive: each step, run the prefix cascade on groups whose rollouts all fail (OC-GRPO-Adaptive);
+    fixed: probe the cascade once with the base model, train on original + one guided row per solvable problem"""
+    prefix_fractions: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0)
+    """the cascade: fractions of the reference solution shown in the guided prompt, tried in this order"""
+    correction: Literal["per_token", "per_token_uniform", "none"] = "per_token"
+    """weight on guided rows' advantages: per_token clip(exp(logp_x - logp_x~), c_min, 1); per_token_uniform one
+    weight per row, clip(exp(mean_t(logp_x - logp_x~)), c_min, 1); none: w = 1"""
+    is_clip_min: float = 0.01
+    """c_min, the lower clamp of the importance weight (its upper clamp is 1)"""
+    prompt_mode: Literal["original", "hinted"] = "original"
+    """context guided rows are trained on: original [x|y] (OC-GRPO), or hinted [x~|y] (BREAD/POPE-style; no context
+    shift, so no weight whatever --correction says)"""
+    fixed_probe_samples: int = 8
+    """--guidance fixed: samples per problem and fraction in the offline probe"""
+
+    # Evaluation
+    eval_every: int = 50
+    """evaluate every N steps (0: only before and after training)"""
+    num_eval_problems: int = 200
+    """held-out problems per evaluation"""
+    eval_samples: int = 4
+    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
+    eval_pass_k: int = 4
+    """k of the logged eval/pass_at_k"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """rollouts per step per rank = num_prompts * group_size"""
+    minibatch_size: int = 0
+    """rollouts per optimizer step = batch_size // num_minibatches"""
+
+
+# ALGO LOGIC: advantages, KL, the context-shift weight and the clipped objective
+def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantage of each completion and whether its group had zero reward std.
+
+    >>> a, z = group_advantages(torch.tensor([[1., 0.], [1., 1.]]), "group_std", 1e-6); a.round(decimals=3), z
+    (tensor([[ 1., -1.],
+            [ 0.,  0.]]), tensor([False,  True]))
+    """
+    mean_P1 = rewards_PG.mean(1, keepdim=True)
+    std_P1 = rewards_PG.std(1, unbiased=False, keepdim=True)
+    zero_std_P = (rewards_PG.max(1).values - rewards_PG.min(1).values) == 0
+    centred_PG = rewards_PG - mean_P1
+    if mode == "group_std":
+        return centred_PG / (std_P1 + eps), zero_std_P
+    if mode == "group_mean":
+        return centred_PG, zero_std_P
+    if mode == "batch_std":
+        return centred_PG / (rewards_PG.std(unbiased=False) + eps), zero_std_P
+    raise ValueError(f"unknown advantage normalisation {mode!r}")
+
+
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
+    d = logp_BC - ref_logp_BC
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def solution_prefix(solution: str, frac: float) -> str:
+    """The first int(frac * len) characters of the reference solution, cut back to the previous whitespace
+    (at the target when there is none); frac >= 1 gives the whole text. [asy] figures are dropped first.
+
+    >>> solution_prefix("7+5=12 12+3=15", 0.5), solution_prefix("7+5=12 12+3=15", 0.2), solution_prefix("a b", 1.0)
+    ('7+5=12', '7+', 'a b')
+    """
+    text = re.sub(r"\[asy\].*?\[/asy\]", "", solution, flags=re.S).strip()
+    if frac >= 1:
+        return text
+    cut = int(frac * len(text))
+    head = text[:cut]
+    if cut < len(text) and not text[cut].isspace():  # mid-word: go back to the last whitespace in the head
+        spaces = [m.start() for m in re.finditer(r"\s", head)]
+        head = head[: spaces[-1]] if spaces else head
+    return head.rstrip()
+
+
+def importance_weights(old_logp_BC, hint_logp_BC, mask_BC, mode: str, c_min: float) -> torch.Tensor:
+    """Context-shift weight of guided tokens, w = clip(pi_old(y|x) / pi_old(y|x~), c_min, 1); padding gets 1.
+
+    >>> importance_weights(torch.tensor([[-1., -5., -1.]]), torch.tensor([[-2., -0.1, -1.]]),
+    ...                    torch.tensor([[1., 1., 0.]]), "per_token", 0.01)
+    tensor([[1.0000, 0.0100, 1.0000]])
+    """
+    log_w_BC = old_logp_BC - hint_logp_BC
+    if mode == "per_token":
+        w_BC = log_w_BC.exp().clamp(c_min, 1.0)
+    elif mode == "per_token_uniform":  # one weight per row: exp of the mean per-token log-ratio
+        mean_B = (log_w_BC * mask_BC).sum(1) / mask_BC.sum(1).clamp(min=1)
+        w_BC = mean_B.exp().clamp(c_min, 1.0).unsqueeze(1).expand_as(log_w_BC)
+    elif mode == "none":
+        w_BC = torch.ones_like(log_w_BC)
+    else:
+        raise ValueError(f"unknown correction {mode!r}")
+    return torch.where(mask_BC > 0, w_BC, torch.ones_like(w_BC))
+
+
+def clipped_surrogate(logp_BC, old_logp_BC, adv_BC, clip_low: float, clip_high: float):
+    """Per-token loss -min(rho wA, clip(rho, 1 - eps_low, 1 + eps_high) wA), and where the clip is active.
+    adv_BC is the per-token advantage w_it * A_i (OC-GRPO section 2.4: the weight scales A, not rho)."""
+    ratio_BC = torch.exp(logp_BC - old_logp_BC)
+    unclipped = -ratio_BC * adv_BC
+    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_BC
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
+    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+    summed_B = (token_loss_BC * mask_BC).sum(1)
+    if mode == "token_mean":
+        return summed_B.sum() / max(num_tokens, 1.0)
+    if mode == "seq_mean_token_mean":
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+    if mode == "constant":
+        return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+    """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
+    device = next(model.parameters()).device
+    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    mask_BC = batch["mask_BC"][rows].to(device)
+    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+                                              with_entropy=True)
+    old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
+    pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
+                                          args.clip_low, args.clip_high)
+    token_loss_BC = pg_BC
+    kl_BC = torch.zeros_like(pg_BC)
+    if args.beta > 0:
+        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+        token_loss_BC = pg_BC + args.beta * kl_BC
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    loss = agg(token_loss_BC)
+    with torch.no_grad():
+        log_ratio = logp_BC - old_logp_BC
+        stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
+            "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
+            "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+        }
+    return loss, stats
+
+
+# ALGO LOGIC: guided rollouts, re-attached to the unguided prompt
+def split_completions(rollouts: Rollouts) -> list[tuple[list[int], str, bool]]:
+    """(token ids up to and including eos, text, truncated) of each row, free of the prompt it was sampled from."""
+    return [(rollouts.completion_ids_BC[i, : int(rollouts.lengths_B[i])].tolist(), rollouts.texts[i],
+             bool(rollouts.truncated_B[i])) for i in range(len(rollouts.texts))]
+
+
+def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int) -> Rollouts:
+    """Rows [prompt_i | completion_i]: prompts left-padded to P, completions right-padded to `width`, so token t
+    of a completion sits at column P + t whichever prompt ([x|y] or [x~|y]) it is attached to."""
+    ids_BP, mask_BP = left_pad(prompts, pad_id)
+    comp_BC = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask_BC = torch.zeros((len(prompts), width))
+    for i, (ids, _, _) in enumerate(completions):
+        comp_BC[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask_BC[i, : len(ids)] = 1.0
+    return Rollouts(torch.cat([ids_BP, comp_BC], 1), torch.cat([mask_BP, mask_BC.long()], 1), mask_BC,
+                    ids_BP.shape[1], [c[1] for c in completions], mask_BC.sum(1).long(),
+                    torch.tensor([c[2] for c in completions], dtype=torch.bool))
+
+
+def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args) -> dict:
+    """For each problem index in `todo`, the lowest prefix fraction whose n guided rollouts contain a success:
+    {index: (fraction, guided prompt ids, completions, correct)}. Indices no fraction rescues are absent."""
+    rescued, pending = {}, [i for i in todo if problems[i].solution]
+    for frac in args.prefix_fractions:
+        if not pending:
+            break
+        prompts = encode_prompts(tokenizer, [render_prompt(problems[i], tokenizer, solution_prefix=solution_prefix(
+            problems[i].solution, frac)) for i in pending], args.max_prompt_tokens)
+        out = engine.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens)
+        correct = score(out.texts, [problems[i] for i in pending for _ in range(n)])
+        completions = split_completions(out)
+        for k, i in enumerate(pending):
+            if any(correct[k * n : (k + 1) * n]):
+                rescued[i] = (frac, prompts[k], completions[k * n : (k + 1) * n], correct[k * n : (k + 1) * n])
+        pending = [i for i in pending if i not in rescued]
+    return rescued
+
+
+def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
+    """Rows of the batch with every rescued group replaced WHOLE by its guided rows (rescued: {group: rows})."""
+    rows = list(rows)
+    for g, guided in rescued.items():
+        assert len(guided) == group_size, "a rescued group must bring exactly group_size rows"
+        rows[g * group_size : (g + 1) * group_size] = guided
+    return rows
+
+
+def main(args: Args) -> dict:
+    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    rank, world, device = init_distributed(args.device)
+    args.batch_size = args.num_prompts * args.group_size
+    if args.batch_size % args.num_minibatches:
+        raise SystemExit(f"error: batch size {args.batch_size} is not divisible by num_minibatches {args.num_minibatches}")
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    if args.group_size < 2:
+        raise SystemExit("error: group_size must be at least 2 (a group baseline needs two samples)")
+    if not args.prefix_fractions or not all(0 <= f <= 1 for f in args.prefix_fractions):
+        raise SystemExit(f"error: --prefix-fractions {args.prefix_fractions}: give one or more fractions in [0, 1]")
+    if not 0 < args.is_clip_min <= 1:
+        raise SystemExit(f"error: --is-clip-min {args.is_clip_min} must be in (0, 1]")
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_dir = args.resume.rstrip("/") or os.path.join(
+        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+
+    tokenizer = load_tokenizer(args.model_name)
+    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
+                   answer_field=args.answer_field, solution_field=args.solution_field)
+    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
+                                   **fields_)
+    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
+                                  args.num_eval_problems, args.seed, **fields_)
+    model = load_model(args.model_name, args.dtype, device)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    engine = make_engine(args.rollout_backend, model, tokenizer)
+    if not any(p.solution for p in train_problems):
+        raise SystemExit("error: no training problem has a reference solution, so there is nothing to guide with; "
+                         "name the field with --solution-field")
+    # ALGO LOGIC: training rows (problem, prefix fraction or None). OC-GRPO-Fixed probes the cascade once with the base
+    # model (before any resume, so a resumed run rebuilds the same rows); one guided row per solvable problem is added
+    rows = [(p, None) for p in train_problems]
+    if args.guidance == "fixed":
+        probe = guidance_cascade(engine, tokenizer, train_problems, list(range(len(train_problems))),
+                                 args.fixed_probe_samples, args)
+        rows += [(train_problems[i], probe[i][0]) for i in sorted(probe)]
+        if rank == 0:
+            print(f"fixed guidance: {len(probe)}/{len(train_problems)} problems solvable with a prefix")
+    sampler = PromptSampler(rows, args.seed + rank)
+
+    start_step, first_eval = 0, None
+    if args.resume:
+        ckpt = find_checkpoint(run_dir)
+        if ckpt is None:
+            raise SystemExit(f"error: --resume {args.resume}: no checkpoint found in that folder")
+        state = load_trainer_state(ckpt)
+        model.load_state_dict(load_model(ckpt, args.dtype, device).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        start_step, first_eval = state["step"], state.get("first_eval")
+        engine.sync_weights(model)
+        if rank == 0:
+            truncate_metrics(run_dir, start_step)
+            print(f"resumed {run_dir} from step {start_step}")
+    logger = RunLogger(args, run_dir, enabled=rank == 0)
+
+    def run_eval():
+        return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
+                        args.temperature, args.eval_pass_k, args.max_prompt_tokens)
+
+    if first_eval is None:
+        first_eval = run_eval()
+        logger.log(start_step, first_eval)
+    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
+               initial=start_step, total=args.total_steps)
+    metrics = {}
+    for step in bar:
+        t_step = time.time()
+        # 1. Rollouts: G completions for each of num_prompts prompts (fixed guidance: guided rows sample from x~)
+        G = args.group_size
+        items = sampler.next(args.num_prompts)
+        problems, fracs = [p for p, _ in items], [f for _, f in items]
+        prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
+        sample_ids = [x if f is None else encode_prompts(tokenizer, [render_prompt(
+            p, tokenizer, solution_prefix=solution_prefix(p.solution, f))], args.max_prompt_tokens)[0]
+            for x, p, f in zip(prompt_ids, problems, fracs)]
+        t0 = time.time()
+        rollouts = engine.generate(sample_ids, n=G, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens)
+        t_gen = time.time() - t0
+
+        # 2. Rewards from the verifier
+        t0 = time.time()
+        group_problems = [p for p in problems for _ in range(args.group_size)]
+        correct = score(rollouts.texts, group_problems)
+        unguided_B = torch.tensor([f is None for f in fracs]).repeat_interleave(G)
+        first_correct_B = torch.tensor(correct)
+        t_score = time.time() - t0
+
+        # ALGO LOGIC: 2b. the cascade: each unguided group whose G rollouts all fail is replaced WHOLE by the G
+        # rollouts of the lowest prefix fraction with a success (no success at any fraction: it stays all-zero)
+        t0 = time.time()
+        failed = [g for g in range(len(problems)) if fracs[g] is None and not any(correct[g * G : (g + 1) * G])]
+        rescued = guidance_cascade(engine, tokenizer, problems, failed, G, args) if args.guidance == "adaptive" else {}
+        fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
+        batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(rollouts))]
+        batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok) for c, ok in zip(r[2], r[3])]
+                                                 for g, r in rescued.items()}, G)
+        guided_B = torch.tensor([f is not None for f in fracs]).repeat_interleave(G)
+        t_guide = time.time() - t0
+
+        # guided rows are re-attached to the unguided prompt x ([x|y]); --prompt-mode hinted keeps x~ ([x~|y])
+        completions = [c for _, c, _ in batch_rows]
+        width = max(len(c[0]) for c in completions)
+        hinted = args.prompt_mode == "hinted"
+        rollouts = attach([s if hinted else prompt_ids[b // G] for b, (s, _, _) in enumerate(batch_rows)],
+                          completions, tokenizer.pad_token_id, width)
+        correct_B = torch.tensor([ok for _, _, ok in batch_rows])
+        rewards_B = correct_B.clone()
+        if args.format_reward_weight:
+            rewards_B += args.format_reward_weight * torch.tensor(
+                [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
+
+        # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
+        adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
+        adv_B = adv_PG.flatten()
+        mask_BC = rollouts.completion_mask_BC.clone()
+        if args.filter_zero_std:
+            mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
+
+        # 4. old and reference log-probs on [x|y] (no grad), hint log-probs on [x~|y] for guided rows, and the
+        # context-shift weight w (1 on unguided rows); with one epoch and one mini-batch, rho = 1 exactly
+        t0 = time.time()
+        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+        weigh = not hinted and args.correction != "none" and bool(guided_B.any())
+        old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                       if needs_old or weigh else None)
+        w_BC = torch.ones_like(mask_BC)
+        gi = guided_B.nonzero().flatten()
+        if weigh:
+            hint_rollouts = attach([batch_rows[b][0] for b in gi.tolist()], [completions[b] for b in gi.tolist()],
+                                   tokenizer.pad_token_id, width)  # [x~|y]: same completion columns as [x|y]
+            hint_logp_BC = batched_logprobs(model, hint_rollouts, args.temperature, args.micro_batch_size)
+            w_BC[gi] = importance_weights(old_logp_BC[gi], hint_logp_BC, rollouts.completion_mask_BC[gi],
+                                          args.correction, args.is_clip_min)
+        adv_BC = adv_B.unsqueeze(1) * w_BC  # the weight multiplies the (detached) advantage, not the ratio
+        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_BC,
+                     old_logp_BC=old_logp_BC if needs_old else None,
+                     ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                     if ref_model is not None else None)
+        t_logp = time.time() - t0
+
+        # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
+        t0 = time.time()
+        sums, grad_norms = {}, []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+            for mb in order.split(args.minibatch_size):
+                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
+                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
+                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
+                norm = {"tokens": norm_t[0].item(),
+                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
+                optimizer.zero_grad(set_to_none=True)
+                for rows in mb.split(args.micro_batch_size):
+                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
+                    loss.backward()
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                all_reduce_grads(model)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                optimizer.step()
+            scheduler.step()
+        engine.sync_weights(model)
+        t_update = time.time() - t0
+
+        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        n_updates = args.num_iterations * args.num_minibatches
+        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
+        gen_tokens = rollouts.lengths_B.sum().item()
+        metrics = {
+            "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
+            "train/accuracy": first_correct_B[unguided_B].float().mean().item() if unguided_B.any() else 0.0,
+            "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
+            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
+            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
+            "policy/entropy": sums["policy/entropy"] / n_tok,
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": scheduler.get_last_lr()[0],
+            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
+            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
+            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
+            "time/guidance": t_guide,
+            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        }
+        # guidance and importance-weight statistics (weights over guided tokens; 1, 1, 0 when no row is guided)
+        gmask_BC = rollouts.completion_mask_BC[gi]
+        w_tok = w_BC[gi][gmask_BC > 0]
+        metrics.update({
+            "guide/zero_reward_groups": float(len(failed)), "guide/rescued_groups": float(len(rescued)),
+            "guide/frac_rescued": len(rescued) / max(len(failed), 1),
+            "guide/guided_groups": float(sum(f is not None for f in fracs)),
+            "guide/fraction_mean": float(np.mean([f for f in fracs if f is not None] or [0.0])),
+            **{f"guide/groups_at_f{f:g}": float(sum(x == f for x in fracs)) for f in args.prefix_fractions},
+            "is/weight_mean": w_tok.mean().item() if len(w_tok) else 1.0,
+            "is/weight_min": w_tok.min().item() if len(w_tok) else 1.0,
+            "is/frac_at_clamp": (w_tok <= args.is_clip_min * (1 + 1e-6)).float().mean().item() if len(w_tok) else 0.0,
+        })
+        metrics = all_reduce_mean(metrics)
+        if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
+            metrics.update(run_eval())
+        metrics["perf/step_time"] = time.time() - t_step
+        logger.log(step, metrics, bar)
+        if rank == 0 and ((args.save_every and step % args.save_every == 0) or step == args.total_steps):
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer,
+                            {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+                             "first_eval": first_eval})
+
+    final_eval = run_eval()
+    logger.log(args.total_steps, final_eval)
+    logger.close()
+    if rank == 0:
+        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
+        print(f"held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
+              f"run folder {run_dir}")
+    return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
