@@ -23,6 +23,11 @@ to refill filtered groups (zero-std groups can be dropped, not replaced), sequen
         --dataset-config main --device cuda --dtype bfloat16 --max-new-tokens 512 \\
         --num-prompts 32 --group-size 8 --micro-batch-size 16 --learning-rate 1e-6 --total-steps 200
     torchrun --nproc-per-node 8 grpo.py --model-name ... --device cuda   # data parallel, one rank per GPU
+    python grpo.py --rollout-backend vllm --tis token ...   # colocated vLLM sampler (optional extra, README)
+
+With `--rollout-backend vllm` the sampler is a separate engine, so its log-probs are compared with
+the trainer's every step (rollout/mismatch_k1, rollout/mismatch_k3) and, with `--tis`, the policy
+loss is weighted by the truncated ratio min(pi_trainer / pi_sampler, C) (Yao et al. 2025).
 """
 
 import copy
@@ -44,7 +49,7 @@ from common.evaluate import evaluate
 from common.logger import (RunLogger, find_checkpoint, load_trainer_state, save_checkpoint, set_rng_state,
                            truncate_metrics)
 from common.models import load_model, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
 from common.verifiers import format_reward, score
 
 
@@ -101,8 +106,16 @@ class Args:
     """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf"] = "hf"
-    """generation engine ('hf': model.generate on the training weights)"""
+    rollout_backend: Literal["hf", "vllm"] = "hf"
+    """generation engine: 'hf' (model.generate on the training weights) or 'vllm' (a colocated vLLM engine
+    that gets the weights in place after every update; needs the vllm extra, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
+    tis: Literal["none", "token", "sequence"] = "none"
+    """truncated importance sampling for the sampler/trainer mismatch: weight the policy loss by
+    min(pi_trainer / pi_sampler, tis_cap) per token or per sequence (needs sampler log-probs: vllm)"""
+    tis_cap: float = 2.0
+    """truncation C of the importance weight"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 8
@@ -235,6 +248,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
+    pg_BC = pg_BC * batch["tis_w_BC"][rows].to(device)  # sampler/trainer correction; 1 unless --tis is set
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
@@ -280,7 +294,9 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = PromptSampler(train_problems, args.seed + rank)
-    engine = make_engine(args.rollout_backend, model, tokenizer)
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+    if args.tis != "none" and args.rollout_backend == "hf":
+        raise SystemExit("error: --tis corrects a separate sampler's mismatch; with --rollout-backend hf there is none")
 
     start_step, first_eval = 0, None
     if args.resume:
@@ -317,7 +333,7 @@ def main(args: Args) -> dict:
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
         t0 = time.time()
         rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens)
+                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend != "hf")
         t_gen = time.time() - t0
 
         # 2. Rewards from the verifier
@@ -337,15 +353,23 @@ def main(args: Args) -> dict:
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
 
-        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly
+        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly.
+        # A separate sampler (vLLM) is compared with the trainer's own log-probs every step.
         t0 = time.time()
-        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+        sampler_logp_BC = rollouts.sampler_logp_BC
+        needs_old = args.num_iterations > 1 or args.num_minibatches > 1 or sampler_logp_BC is not None
         batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                      prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
                      old_logp_BC=batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
                      if needs_old else None,
                      ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
                      if ref_model is not None else None)
+        mismatch = {}
+        batch["tis_w_BC"] = torch.ones_like(mask_BC)
+        if sampler_logp_BC is not None:
+            mismatch = sampler_mismatch(batch["old_logp_BC"], sampler_logp_BC, rollouts.completion_mask_BC)
+            batch["tis_w_BC"] = tis_weights(batch["old_logp_BC"], sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
+            mismatch["rollout/tis_weight_mean"] = ((batch["tis_w_BC"] * mask_BC).sum() / mask_BC.sum().clamp(min=1)).item()
         t_logp = time.time() - t0
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
@@ -392,6 +416,7 @@ def main(args: Args) -> dict:
             "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
                                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
         }
+        metrics.update(mismatch)
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())

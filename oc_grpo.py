@@ -119,8 +119,11 @@ class Args:
     """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf"] = "hf"
-    """generation engine ('hf': model.generate on the training weights)"""
+    rollout_backend: Literal["hf", "vllm"] = "hf"
+    """generation engine: 'hf' (model.generate on the training weights) or 'vllm' (a colocated vLLM engine
+    that gets the weights in place after every update; needs the vllm extra, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 8
@@ -404,7 +407,7 @@ def main(args: Args) -> dict:
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
-    engine = make_engine(args.rollout_backend, model, tokenizer)
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
     if not any(p.solution for p in train_problems):
         raise SystemExit("error: no training problem has a reference solution, so there is nothing to guide with; "
                          "name the field with --solution-field")

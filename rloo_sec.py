@@ -121,8 +121,11 @@ class Args:
     """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf"] = "hf"
-    """generation engine ('hf': model.generate on the training weights)"""
+    rollout_backend: Literal["hf", "vllm"] = "hf"
+    """generation engine: 'hf' (model.generate on the training weights) or 'vllm' (a colocated vLLM engine
+    that gets the weights in place after every update; needs the vllm extra, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 8
@@ -389,7 +392,7 @@ def main(args: Args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = make_curriculum(train_problems, args, args.seed + rank)
     train_levels = sorted({p.level for p in train_problems})
-    engine = make_engine(args.rollout_backend, model, tokenizer)
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
 
     start_step, first_eval = 0, None
     if args.resume:

