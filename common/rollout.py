@@ -105,11 +105,43 @@ def finish_rollouts(prompt_ids_BP, prompt_mask_BP, completion_ids_BC, tokenizer,
     )
 
 
-class HFEngine:
-    """Samples with `model.generate` on the training model itself (no copy, nothing to sync)."""
+def process_logits(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution's logits: divided by the temperature, tokens outside the top-p
+    nucleus set to -inf (the smallest set whose probability reaches top_p; at least one token)."""
+    logits_BV = logits_BV.float() / temperature
+    if top_p < 1.0:
+        sorted_BV, order_BV = logits_BV.sort(-1, descending=True)
+        probs_BV = sorted_BV.softmax(-1)
+        drop_sorted_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # mass of the more likely tokens
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+        logits_BV = logits_BV.masked_fill(drop_BV, float("-inf"))
+    return logits_BV
 
-    def __init__(self, model, tokenizer, max_batch: int = 512):
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+
+def expand_cache(cache, counts_U: torch.Tensor) -> bool:
+    """Repeat each row of a KV cache counts_U[u] times (rows stay grouped); False if the cache type
+    has no plain per-layer keys/values (then callers fall back to computing every row)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        return False
+    for layer in layers:
+        layer.keys = layer.keys.repeat_interleave(counts_U, 0)
+        layer.values = layer.values.repeat_interleave(counts_U, 0)
+    return True
+
+
+class HFEngine:
+    """Samples from the training model itself (no copy, nothing to sync).
+
+    `loop=True` (backend 'hf'): a plain KV-cache sampling loop. Each distinct prompt is prefilled
+    once and its cache repeated for its n samples, then one token per step for every row. It
+    draws from the same distribution as `model.generate` (temperature, top-p, no top-k) with a
+    fraction of its per-token overhead. `loop=False` (backend 'hf_generate'): `model.generate`
+    itself, kept as the reference.
+    """
+
+    def __init__(self, model, tokenizer, loop: bool = True, max_batch: int = 512):
+        self.model, self.tokenizer, self.loop, self.max_batch = model, tokenizer, loop, max_batch
 
     def sync_weights(self, model) -> None:
         """Nothing to do: generation reads the live training weights."""
@@ -126,47 +158,84 @@ class HFEngine:
         return_logprobs: bool = False,
     ) -> Rollouts:
         """`n` completions per prompt, rows grouped as [p0 x n, p1 x n, ...]."""
-        from transformers import GenerationConfig
-
         tok, model = self.tokenizer, self.model
-        rows = [p for p in prompt_ids for _ in range(n)]
-        ids_BP, mask_BP = left_pad(rows, tok.pad_token_id)
+        ids_UP, mask_UP = left_pad(prompt_ids, tok.pad_token_id)
         device = next(model.parameters()).device
-        # a fresh config so that a real model's generation_config (top_k=20, repetition
-        # penalty, ...) never changes the sampling distribution the loss assumes
-        config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=temperature if not greedy else None,
-            top_p=top_p if not greedy else None,
-            top_k=0 if not greedy else None,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            output_scores=return_logprobs,
-            return_dict_in_generate=True,
-        )
         was_training = model.training
         model.eval()
         completions, logps = [], []
-        for s in range(0, len(rows), self.max_batch):
-            out = model.generate(
-                input_ids=ids_BP[s : s + self.max_batch].to(device),
-                attention_mask=mask_BP[s : s + self.max_batch].to(device),
-                generation_config=config,
-            )
-            comp = out.sequences[:, ids_BP.shape[1] :].cpu()
-            completions.append(comp)
-            if return_logprobs:  # scores are the processed logits (after temperature / top-p)
-                lp = torch.stack(
-                    [F.log_softmax(sc.float(), -1).gather(-1, comp[:, t, None].to(sc.device)).squeeze(-1)
-                     for t, sc in enumerate(out.scores)], 1,
-                )
-                logps.append(lp.cpu())
+        per_chunk = max(1, self.max_batch // n)
+        for s in range(0, len(prompt_ids), per_chunk):
+            ids, mask = ids_UP[s : s + per_chunk].to(device), mask_UP[s : s + per_chunk].to(device)
+            sample = self._sample_loop if self.loop else self._generate
+            comp, lp = sample(ids, mask, n, temperature, top_p, max_new_tokens, greedy, return_logprobs)
+            completions.append(comp.cpu())
+            logps.append(lp.cpu() if lp is not None else None)
         model.train(was_training)
         width = max(c.shape[1] for c in completions)
         comp_BC = torch.cat([F.pad(c, (0, width - c.shape[1]), value=tok.pad_token_id) for c in completions])
         logp_BC = torch.cat([F.pad(x, (0, width - x.shape[1])) for x in logps]) if return_logprobs else None
-        return finish_rollouts(ids_BP, mask_BP, comp_BC, tok, logp_BC)
+        return finish_rollouts(ids_UP.repeat_interleave(n, 0), mask_UP.repeat_interleave(n, 0), comp_BC, tok, logp_BC)
+
+    def _sample_loop(self, ids_UP, mask_UP, n, temperature, top_p, max_new_tokens, greedy, return_logprobs):
+        tok, model = self.tokenizer, self.model
+        out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=position_ids(mask_UP), use_cache=True,
+                    logits_to_keep=1)
+        cache = out.past_key_values
+        logits_BV = out.logits[:, -1]
+        if n > 1:
+            if expand_cache(cache, torch.full((len(ids_UP),), n, device=ids_UP.device)):
+                logits_BV = logits_BV.repeat_interleave(n, 0)
+            else:  # unusual cache type: prefill every row instead
+                return self._sample_loop(ids_UP.repeat_interleave(n, 0), mask_UP.repeat_interleave(n, 0), 1,
+                                         temperature, top_p, max_new_tokens, greedy, return_logprobs)
+        attn_BT = mask_UP.repeat_interleave(n, 0)
+        next_pos_B = attn_BT.sum(1)
+        done_B = torch.zeros(len(attn_BT), dtype=torch.bool, device=attn_BT.device)
+        tokens, logps = [], []
+        for t in range(max_new_tokens):
+            if greedy:
+                token_B = logits_BV.argmax(-1)
+            else:
+                logp_BV = process_logits(logits_BV, temperature, top_p).log_softmax(-1)
+                token_B = torch.multinomial(logp_BV.exp(), 1).squeeze(1)
+                if return_logprobs:
+                    logps.append(logp_BV.gather(1, token_B[:, None]).squeeze(1))
+            token_B = token_B.masked_fill(done_B, tok.pad_token_id)
+            tokens.append(token_B)
+            done_B |= token_B == tok.eos_token_id
+            if done_B.all() or t == max_new_tokens - 1:
+                break
+            attn_BT = torch.cat([attn_BT, torch.ones_like(attn_BT[:, :1])], 1)
+            out = model(input_ids=token_B[:, None], attention_mask=attn_BT, position_ids=next_pos_B[:, None],
+                        past_key_values=cache, use_cache=True)
+            next_pos_B = next_pos_B + 1
+            logits_BV = out.logits[:, -1]
+        logp_BC = torch.stack(logps, 1) if return_logprobs and logps else None
+        if return_logprobs and greedy:
+            logp_BC = torch.zeros(len(attn_BT), len(tokens))
+        return torch.stack(tokens, 1), logp_BC
+
+    def _generate(self, ids_UP, mask_UP, n, temperature, top_p, max_new_tokens, greedy, return_logprobs):
+        from transformers import GenerationConfig
+
+        tok = self.tokenizer
+        # a fresh config so that a real model's generation_config (top_k=20, repetition
+        # penalty, ...) never changes the sampling distribution the loss assumes
+        config = GenerationConfig(
+            do_sample=not greedy, temperature=temperature if not greedy else None,
+            top_p=top_p if not greedy else None, top_k=0 if not greedy else None, max_new_tokens=max_new_tokens,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, output_scores=return_logprobs,
+            return_dict_in_generate=True,
+        )
+        out = self.model.generate(input_ids=ids_UP.repeat_interleave(n, 0),
+                                  attention_mask=mask_UP.repeat_interleave(n, 0), generation_config=config)
+        comp = out.sequences[:, ids_UP.shape[1] :]
+        if not return_logprobs:
+            return comp, None
+        # scores are the processed logits (after temperature / top-p)
+        return comp, torch.stack([F.log_softmax(sc.float(), -1).gather(-1, comp[:, t, None]).squeeze(-1)
+                                  for t, sc in enumerate(out.scores)], 1)
 
 
 class VLLMEngine:
@@ -263,31 +332,63 @@ class VLLMEngine:
 
 
 def make_engine(backend: str, model, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.3):
-    """The rollout engine for `--rollout-backend` ('hf' or 'vllm'); every trainer calls this once."""
-    if backend == "hf":
-        return HFEngine(model, tokenizer)
+    """The rollout engine for `--rollout-backend` ('hf', 'hf_generate' or 'vllm'); every trainer calls this once."""
+    if backend in ("hf", "hf_generate"):
+        return HFEngine(model, tokenizer, loop=backend == "hf")
     if backend == "vllm":
         return VLLMEngine(model, tokenizer, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
-    raise SystemExit(f"error: unknown rollout backend {backend!r}; choose 'hf' or 'vllm'")
+    raise SystemExit(f"error: unknown rollout backend {backend!r}; choose 'hf', 'hf_generate' or 'vllm'")
+
+
+def prompt_groups(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First row and size of each run of adjacent rows with the same prompt.
+
+    >>> prompt_groups(torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2]]), torch.ones(4, 2))
+    (tensor([0, 2, 3]), tensor([2, 1, 1]))
+    """
+    same_BP = (prompt_ids_BP[1:] == prompt_ids_BP[:-1]) & (prompt_mask_BP[1:] == prompt_mask_BP[:-1])
+    new_run = torch.cat([torch.ones(1, dtype=torch.bool, device=same_BP.device), ~same_BP.all(1)])
+    starts_U = new_run.nonzero().squeeze(1)
+    counts_U = torch.diff(torch.cat([starts_U, torch.tensor([len(new_run)], device=starts_U.device)]))
+    return starts_U, counts_U
+
+
+def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int) -> torch.Tensor:
+    """Logits that predict completion tokens P..T-1 (from positions P-1..T-2), shape B x C x V.
+
+    Rows of a group share their prompt. When they sit next to each other (as every engine returns
+    them), each distinct prompt goes through the model once and its KV cache is repeated for the
+    group's rows, so the prompt costs 1/G of a full forward and backward; gradients through the
+    repeated cache sum over the group, which is exactly what the full forward would give. Only
+    the completion positions reach the LM head (`logits_to_keep`), so the prompt never costs
+    vocabulary-sized logits.
+    """
+    B, T = input_ids_BT.shape
+    C = T - prompt_len
+    pos_BT = position_ids(attention_mask_BT)
+    starts_U, counts_U = prompt_groups(input_ids_BT[:, :prompt_len], attention_mask_BT[:, :prompt_len])
+    if len(starts_U) * 2 <= B:  # at least two rows per prompt on average: share the prompt
+        head = model(input_ids=input_ids_BT[starts_U, :prompt_len], attention_mask=attention_mask_BT[starts_U, :prompt_len],
+                     position_ids=pos_BT[starts_U, :prompt_len], use_cache=True, logits_to_keep=1)
+        if expand_cache(head.past_key_values, counts_U):
+            first_B1V = head.logits[:, -1:].repeat_interleave(counts_U, 0)
+            if C == 1:
+                return first_B1V
+            rest = model(input_ids=input_ids_BT[:, prompt_len:-1], attention_mask=attention_mask_BT[:, :-1],
+                         position_ids=pos_BT[:, prompt_len:-1], past_key_values=head.past_key_values, use_cache=True)
+            return torch.cat([first_B1V, rest.logits], 1)
+    out = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=pos_BT, logits_to_keep=C + 1,
+                use_cache=False)
+    return out.logits[:, :-1]
 
 
 def completion_logprobs(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float = 1.0,
                         with_entropy: bool = False):
     """Log-probs of the completion tokens (columns P..T-1) at the sampling temperature.
 
-    Only the last C+1 hidden states go through the LM head (`logits_to_keep`), so the
-    prompt never costs vocabulary-sized logits. Returns (logp_BC, entropy_BC or None);
-    entropy is computed without gradient.
+    Returns (logp_BC, entropy_BC or None); entropy is computed without gradient.
     """
-    C = input_ids_BT.shape[1] - prompt_len
-    out = model(
-        input_ids=input_ids_BT,
-        attention_mask=attention_mask_BT,
-        position_ids=position_ids(attention_mask_BT),
-        logits_to_keep=C + 1,
-        use_cache=False,
-    )
-    logits_BCV = out.logits[:, :-1].float() / temperature
+    logits_BCV = completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len).float() / temperature
     targets_BC = input_ids_BT[:, prompt_len:]
     lse_BC = logits_BCV.logsumexp(-1)
     logp_BC = logits_BCV.gather(-1, targets_BC.unsqueeze(-1)).squeeze(-1) - lse_BC

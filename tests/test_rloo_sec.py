@@ -174,7 +174,8 @@ def test_smoke_run_logs_the_bandit_per_arm(tmp_path, weak_model_dir):
         for k in (1, 2, 3):
             assert f"sec/q/arm_{k}" in r and f"sec/mean_abs_adv/arm_{k}" in r and f"sec/success/arm_{k}" in r
         assert 0.0 <= r["adv/frac_zero_std"] <= 1.0
-    assert rows[0]["loss/kl"] == 0.0 and rows[1]["loss/kl"] != 0.0  # beta > 0: the policy moved off the reference
+    # beta > 0: zero KL before the first update (up to float noise from batching), then the policy moves off the reference
+    assert abs(rows[0]["loss/kl"]) < 1e-6 and abs(rows[1]["loss/kl"]) > 100 * abs(rows[0]["loss/kl"]), rows
     assert rows[0]["sec/prob/arm_1"] == pytest.approx(1 / 3)  # Q starts at 0: uniform
     assert any(r["sec/q/arm_1"] != 0.0 or r["sec/q/arm_2"] != 0.0 or r["sec/q/arm_3"] != 0.0 for r in rows)
     assert "eval/greedy_accuracy/level_3" in out["after"]

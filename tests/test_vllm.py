@@ -29,7 +29,7 @@ def setup(weak_model_dir):
     problems = load_problems("testbed", "test", (2, 3, 4), 16, 0)
     prompt_ids = encode_prompts(tok, [render_prompt(p, tok) for p in problems], 0)
     engine = make_engine("vllm", model, tok, seed=0)
-    return dict(tok=tok, model=model, engine=engine, hf=make_engine("hf", model, tok), prompt_ids=prompt_ids)
+    return dict(tok=tok, model=model, engine=engine, hf=make_engine("hf_generate", model, tok), prompt_ids=prompt_ids)
 
 
 def _greedy_equal(s):
