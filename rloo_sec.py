@@ -64,7 +64,7 @@ from common.evaluate import evaluate
 from common.logger import (RunLogger, find_checkpoint, load_trainer_state, save_checkpoint, set_rng_state,
                            truncate_metrics)
 from common.models import load_model, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch
 from common.verifiers import format_reward, score
 
 
@@ -432,7 +432,7 @@ def main(args: Args) -> dict:
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
         t0 = time.time()
         rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens)
+                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
         t_gen = time.time() - t0
 
         # 2. Rewards from the verifier
@@ -448,8 +448,11 @@ def main(args: Args) -> dict:
         # 3. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly
         t0 = time.time()
         mask_BC = rollouts.completion_mask_BC.clone()
-        needs_old = args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
+        needs_old = (args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
+                     or rollouts.sampler_logp_BC is not None)
         old_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size) if needs_old else None
+        mismatch = ({} if rollouts.sampler_logp_BC is None else  # a separate sampler (vllm) against the trainer
+                    sampler_mismatch(old_logp_BC, rollouts.sampler_logp_BC, rollouts.completion_mask_BC))
         ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
                        if ref_model is not None else None)
         t_logp = time.time() - t0
@@ -533,6 +536,7 @@ def main(args: Args) -> dict:
                             f"sec/success/arm_{name}": success_A[c].item() / n if n else float("nan")})
         metrics.update({f"sec/level_frac/level_{lv}": sum(p.level == lv for p in problems) / len(problems)
                         for lv in train_levels})
+        metrics.update(mismatch)
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())

@@ -107,3 +107,13 @@ def test_grpo_runs_with_vllm_backend(tmp_path, weak_model_dir):
     # the engine is re-synced after every update, so the sampler never drifts from the trainer
     assert abs(last["rollout/mismatch_k1"]) < 0.01 and last["rollout/mismatch_k3"] < 0.01, last
     assert 0.5 < last["rollout/tis_weight_mean"] <= 2.0
+
+
+def test_rloo_sec_gets_the_backend_by_flag_alone(tmp_path, weak_model_dir):
+    import rloo_sec
+
+    out = rloo_sec.main(tyro.cli(rloo_sec.Args, args=[
+        "--output-dir", str(tmp_path), "--rollout-backend", "vllm", "--total-steps", "2", "--num-prompts", "4",
+        "--group-size", "4", "--num-eval-problems", "8", "--eval-samples", "0", "--eval-every", "0"]))
+    assert math.isfinite(out["last"]["reward/mean"])
+    assert abs(out["last"]["rollout/mismatch_k1"]) < 0.01 and out["last"]["rollout/mismatch_k3"] < 0.01
