@@ -1,0 +1,748 @@
+"""Stable PPO for small language models: SFT (LoRA) -> Bradley-Terry reward model -> PPO with a value head.
+
+Paper: "Towards Robust Reinforcement Learning for Small-Scale Language Model Agents" (arXiv 2607.25091;
+code github.com/rezwanh001/slm-rl-agent, built on TRL 0.9.6). Three stages in one file, each skipped when
+its output is given by path (`--sft-adapter`, `--reward-model`):
+
+1. SFT: a LoRA adapter (alpha = 2r) trained on (prompt, chosen) pairs.
+2. Reward model: the SFT backbone (adapter merged) with a scalar head, LoRA + trained head, Bradley-Terry loss
+   -log sigmoid(r(x, y_w) - r(x, y_l)); its held-out pair accuracy is reported.
+3. PPO against the reward model with a frozen reference (the merged SFT model):
+
+    r_t   = -beta * (log pi_old(y_t) - log pi_ref(y_t)) + 1[t = last] * clip(whiten(RM(x, y)), -3, 3)
+    A_t   = GAE(gamma, lambda) of r_t with the value head's V_t, whitened over the batch; R_t = A_t + V_t
+    L     = E_t[ max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)) ]                       (policy)
+          + c_v E_t[ max((V_t - R_t)^2, (clip(V_t, V_old - eps_v, V_old + eps_v) - R_t)^2) / 2 ]   (value)
+    beta  <- beta * (1 + clip(KL / KL_target - 1, -0.2, 0.2) * batch / horizon)   (adaptive KL controller)
+
+The paper's three fixes for small models, all here:
+- silent LoRA freezing: the SFT adapter is merged into the base and a fresh LoRA (alpha = r, B = 0, so the
+  policy starts exactly at the SFT model) is attached for PPO; after the first update the script checks that
+  trainable LM parameters exist and moved, and exits with an explanation otherwise. `--policy-init
+  naive_adapter` loads the adapter the naive way (frozen) to reproduce the bug; the check catches it.
+- precision: policy, reference and value head are float32 in PPO; generation passes through a logits guard
+  (NaN/inf -> finite, clamp to [-100, 100]).
+- safety envelope: RM scores NaN/inf -> 0, running whitening and a 3-sigma clip; a ratio guard that skips a
+  mini-batch (policy and value loss) whose mean token ratio exceeds 5; weight rollback to the last healthy
+  trainable weights (and optimizer state) when any becomes non-finite, stopping after 5 rollbacks.
+
+Embedded default (CPU, offline): base `testbed-weak`, level-3 sums (`Q:7+5+3+4\\nA:` -> `19`); a short LoRA SFT
+on the answers; preference pairs chosen = the correct answer, rejected = a corrupted one (near miss, far off,
+extra digit, dropped digit, trailing `+d`); one sample per prompt at temperature 1.3, so that the SFT policy
+sometimes writes what the RM learned to penalise. Win rate over the SFT policy is judged by the RM and by the
+exact-match verifier. Real-data setting of the paper: a Pythia or SmolLM2 id and a TinyStories-style text
+dataset (`--dataset roneneldan/TinyStories` or a local .jsonl/.txt): prompt = the first `--prompt-words` words,
+chosen = the next `--continuation-words`, rejected = those words shuffled, truncated to a quarter, or taken from
+another text; temperature 0.9, top-p 0.95, lr 5e-6 as in the paper.
+
+Left out, on purpose: NEFTune noise in SFT and mixed precision in SFT/RM (both only matter at scale), the
+per-turn agentic extension, checkpoint/resume (the stages are the checkpoints), and reward whitening across
+ranks (each rank whitens its own batch, as in TRL).
+
+Metrics: the shared names of README.md, where `reward/mean` and `reward/std` are of the summed per-token
+reward (KL penalty + shaped score, after --whiten-rewards) and `train/accuracy` is the verifier's (testbed);
+plus `rm/score_mean`, `rm/score_std` (raw RM scores of the rollouts),
+`rm/pair_accuracy` (held-out pairs, logged at step 0), `loss/value`, `value/clip_frac`, `policy/kl_ref`
+(summed per-sequence KL(old || ref), the controller's input), `kl/beta`, `safety/nonfinite_scores`,
+`safety/logit_fixes` (non-finite logits replaced in generation), `safety/max_ratio`,
+`safety/ratio_guard_skips` (mini-batches skipped this step), `safety/rollbacks` (cumulative),
+`eval/rm_score`, `eval/win_rate_rm` (PPO sample beats the SFT sample on the same prompt, ties 1/2),
+`eval/win_rate_rm_analytic` (the paper's Phi(delta / sqrt(var_ppo + var_sft))), `eval/win_rate_verifier`.
+
+    python ppo_slm.py                                    # embedded CPU demo: testbed-weak, a few minutes
+    python ppo_slm.py --model-name EleutherAI/pythia-410m-deduped --dataset roneneldan/TinyStories \\
+        --lora-target-modules query_key_value dense --sft-lora-r 32 --lora-r 32 --device cuda \\
+        --max-new-tokens 96 --temperature 0.9 --top-p 0.95 --num-prompts 32 --minibatch-size 4 \\
+        --learning-rate 5e-6 --total-steps 250 --num-train-examples 10000 --sft-steps 6000 --sft-lr 2e-5 \\
+        --rm-steps 2500 --rm-lr 1e-5     # SmolLM2-360M: --lora-target-modules q_proj v_proj o_proj gate_proj up_proj
+    python ppo_slm.py --sft-adapter runs/X/sft_adapter --reward-model runs/X/reward_model   # PPO only
+    torchrun --nproc-per-node 8 ppo_slm.py --device cuda ...  # data parallel PPO; SFT and RM run on rank 0
+"""
+
+import copy
+import json
+import math
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+from common.data import load_problems
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.logger import RunLogger
+from common.models import load_model, load_tokenizer, resolve_model
+from common.rollout import batched_logprobs, finish_rollouts, left_pad, position_ids
+from common.testbed import render_testbed_prompt
+from common.verifiers import score
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (prefix of the run folder)"""
+    seed: int = 1
+    """seed of python, numpy and torch (each rank adds its rank)"""
+    run_name: str = ""
+    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
+    wandb_project: str = "tinypost"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    device: str = "cpu"
+    """torch device ('cpu', 'cuda')"""
+    ppo_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of policy and reference in PPO (float32 is the fix; bfloat16 reproduces the ratio overflow)"""
+
+    # Model and data
+    model_name: str = "testbed-weak"
+    """base model: 'testbed-weak', 'testbed-strong', a Hugging Face id or a local folder"""
+    dataset: str = "testbed"
+    """'testbed' (sums; rejected = corrupted answer), or text: a local .jsonl/.txt or a HF dataset (TinyStories)"""
+    text_field: str = "text"
+    """field holding the text of a record (text datasets)"""
+    levels: tuple[int, ...] = (3,)
+    """testbed difficulty levels (1 easiest .. 5 hardest)"""
+    num_train_examples: int = 2000
+    """training prompts / preference pairs (text datasets: records read)"""
+    prompt_words: int = 24
+    """text datasets: words of a record used as the prompt"""
+    continuation_words: int = 24
+    """text datasets: following words used as the chosen continuation"""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+    """LoRA targets (Qwen2 / SmolLM2 / LLaMA names; Pythia: query_key_value dense)"""
+
+    # Stage 1: SFT
+    sft_adapter: str = ""
+    """path of a trained SFT LoRA adapter: skips SFT"""
+    sft_steps: int = 60
+    """SFT optimizer steps"""
+    sft_batch_size: int = 32
+    """SFT pairs per step"""
+    sft_lr: float = 5e-4
+    """SFT learning rate"""
+    sft_lora_r: int = 8
+    """SFT LoRA rank (alpha = 2r, as in the paper)"""
+
+    # Stage 2: reward model
+    reward_model: str = ""
+    """path of a trained reward model (sequence-classification folder): skips RM training"""
+    rm_steps: int = 300
+    """reward-model optimizer steps"""
+    rm_batch_size: int = 32
+    """preference pairs per RM step"""
+    rm_lr: float = 2e-3
+    """reward-model learning rate"""
+    rm_lora_r: int = 16
+    """reward-model LoRA rank (alpha = 2r; the score head is trained in full)"""
+    num_eval_pairs: int = 400
+    """held-out preference pairs for the RM's pair accuracy"""
+
+    # Stage 3: PPO
+    policy_init: Literal["merge_reinit", "naive_adapter"] = "merge_reinit"
+    """merge_reinit: merge SFT adapter, fresh LoRA (the fix); naive_adapter: load the adapter as is (the bug)"""
+    lora_r: int = 8
+    """PPO LoRA rank (alpha = r)"""
+    total_steps: int = 150
+    """PPO steps (rollout + update)"""
+    num_prompts: int = 32
+    """rollouts per step per rank (one completion per prompt)"""
+    minibatch_size: int = 8
+    """rollouts per optimizer step"""
+    ppo_epochs: int = 2
+    """passes over each rollout batch"""
+    learning_rate: float = 2e-4
+    """AdamW learning rate for the LoRA and value head (constant; the paper: 5e-6 on 70-410M models)"""
+    max_grad_norm: float = 0.5
+    """gradient clipping norm"""
+    temperature: float = 1.3
+    """sampling temperature (log-probs at the same temperature); the paper: 0.9. On the testbed 1.3, so that
+    the SFT policy makes the malformed answers the reward model can tell apart"""
+    top_p: float = 1.0
+    """nucleus sampling (the paper: 0.95)"""
+    max_new_tokens: int = 8
+    """completion length cap"""
+    clip_range: float = 0.2
+    """policy ratio clip eps"""
+    vf_clip: float = 0.2
+    """value clip eps around the rollout-time value"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    gamma: float = 1.0
+    """GAE discount"""
+    lam: float = 0.95
+    """GAE lambda"""
+    init_kl_coef: float = 0.5
+    """initial beta of the per-token KL penalty (the paper: 0.2; 0.5 limits RM exploitation on the testbed)"""
+    adaptive_kl: bool = True
+    """adapt beta towards --target-kl (Ziegler et al. 2019)"""
+    target_kl: float = 6.0
+    """target summed KL(old || ref) per sequence"""
+    kl_horizon: int = 10000
+    """horizon of the adaptive KL controller"""
+
+    # Safety envelope
+    score_norm: bool = True
+    """whiten RM scores with running mean/std and clip to +-score_clip"""
+    score_clip: float = 3.0
+    """clip of the whitened score, in standard deviations"""
+    whiten_rewards: bool = True
+    """scale per-token rewards by their batch std before GAE (no mean shift, as TRL)"""
+    ratio_guard: bool = True
+    """skip a mini-batch's policy and value loss when its mean token ratio exceeds --ratio-threshold"""
+    ratio_threshold: float = 5.0
+    """ratio guard threshold"""
+    rollback: bool = True
+    """restore the last healthy trainable weights when any becomes NaN/inf"""
+    max_rollbacks: int = 5
+    """stop training after this many rollbacks"""
+
+    # Fault injection (tests and benchmarks)
+    rm_noise_std: float = 0.0
+    """Gaussian noise added to every raw RM score (a deliberately noisy reward model)"""
+    inject_nonfinite_scores: float = 0.0
+    """fraction of RM scores replaced by NaN or inf"""
+    inject_inf_weight_step: int = 0
+    """after this step's update, set one trainable weight to inf (0: never)"""
+    inject_ratio_step: int = 0
+    """at this step, lower the old log-probs by 5 nats so that ratios are about e^5 (0: never)"""
+
+    # Evaluation
+    num_eval_prompts: int = 200
+    """held-out prompts for RM score, win rate and accuracy before and after PPO"""
+
+    # Filled in at runtime
+    num_minibatches: int = 0
+    """optimizer steps per epoch = num_prompts // minibatch_size"""
+
+
+# ALGO LOGIC: data, the logits guard, scores, GAE and the PPO loss
+@dataclass
+class Example:
+    prompt: str
+    chosen: str
+    rejected: str
+    problem: object = None
+    """the testbed Problem (verifiable), None for text"""
+
+
+def corrupt_answer(answer: str, rng: random.Random) -> str:
+    """A wrong or malformed answer: '15' -> '14' (near miss), '22' (far off), '151', '1' or '15+4'."""
+    u = rng.random()
+    if u < 0.4:
+        return str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
+    if u < 0.7:
+        return str(max(0, int(answer) + rng.choice([-1, 1]) * rng.randint(4, 10)))
+    if u < 0.8:
+        return answer + str(rng.randint(0, 9))
+    if u < 0.9:
+        return answer[:-1] or str(rng.randint(0, 9))
+    return f"{answer}+{rng.randint(1, 9)}"
+
+
+def verify(texts: list[str], examples: list) -> torch.Tensor:
+    """Exact-match verifier (testbed): 1.0 where the completion is the answer."""
+    return torch.tensor(score(texts, [e.problem for e in examples]))
+
+
+def build_examples(args: Args, split: str, n: int, seed: int) -> list[Example]:
+    """Prompts with a chosen (correct / real) and a rejected (corrupted) completion."""
+    rng = random.Random(f"{seed}-{split}")
+    if args.dataset == "testbed":
+        problems = load_problems("testbed", split, args.levels, n, seed)
+        return [Example(render_testbed_prompt(p.question), p.answer, corrupt_answer(p.answer, rng), p)
+                for p in problems]
+    rows = read_texts(args.dataset, split, args.text_field, n)
+    need = args.prompt_words + args.continuation_words
+    cuts = [t.split() for t in rows if len(t.split()) >= need]
+    if len(cuts) < 2:
+        raise SystemExit(f"error: {args.dataset!r} ({split}) has fewer than 2 texts with {need} words; "
+                         f"lower --prompt-words / --continuation-words")
+    out = []
+    for i, w in enumerate(cuts):
+        prompt, cont = " ".join(w[: args.prompt_words]), w[args.prompt_words: need]
+        u, other = rng.random(), cuts[(i + 1 + rng.randrange(len(cuts) - 1)) % len(cuts)]
+        bad = (rng.sample(cont, len(cont)) if u < 1 / 3 else cont[: len(cont) // 4] if u < 2 / 3
+               else other[args.prompt_words: need])  # shuffled / truncated / mismatched, as in the paper
+        out.append(Example(prompt, " " + " ".join(cont), " " + " ".join(bad)))
+    return out
+
+
+def read_texts(dataset: str, split: str, field: str, n: int) -> list[str]:
+    """Texts of a local .txt (one per line) / .jsonl file (every 10th held out) or of a HF dataset split."""
+    if os.path.exists(dataset):
+        with open(dataset) as f:
+            lines = [ln for ln in f if ln.strip()]
+        texts = [json.loads(ln)[field] if dataset.endswith(".jsonl") else ln.strip() for ln in lines]
+        texts = [t for i, t in enumerate(texts) if (i % 10 == 0) == (split != "train")]
+    else:
+        import datasets
+        ds = datasets.load_dataset(dataset, split="train" if split == "train" else "validation")
+        texts = ds[:n][field] if n else ds[field]
+    return texts[:n] if n else texts
+
+
+def encode_pairs(tokenizer, prompts: list[str], completions: list[str]):
+    """Left-padded [prompt | completion eos] ids, attention mask and completion mask (eos included)."""
+    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    ids_BT, attn_BT = left_pad([p + c + [tokenizer.eos_token_id] for p, c in zip(p_ids, c_ids)],
+                               tokenizer.pad_token_id)
+    comp_BT = torch.zeros_like(attn_BT)
+    for i, c in enumerate(c_ids):
+        comp_BT[i, ids_BT.shape[1] - len(c) - 1:] = 1
+    return ids_BT, attn_BT, comp_BT
+
+
+class FiniteLogits:
+    """Logits guard (a transformers LogitsProcessor): NaN -> -100, +-inf -> +-100, then clamp to [-100, 100]."""
+
+    def __init__(self, bound: float = 100.0):
+        self.bound, self.fixed = bound, 0
+
+    def __call__(self, input_ids, scores):
+        self.fixed += int((~torch.isfinite(scores)).sum())
+        return torch.nan_to_num(scores, nan=-self.bound, posinf=self.bound, neginf=-self.bound).clamp(
+            -self.bound, self.bound)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids: list[list[int]], args: Args, guard: FiniteLogits, greedy=False):
+    """One completion per prompt through the logits guard (HFEngine.generate takes no logits processor)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    ids_BP, mask_BP = left_pad(prompt_ids, tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else args.temperature,
+                              top_p=None if greedy else args.top_p, top_k=None if greedy else 0,
+                              max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=ids_BP.to(device), attention_mask=mask_BP.to(device), generation_config=config,
+                         logits_processor=LogitsProcessorList([guard]))
+    model.train(was_training)
+    return finish_rollouts(ids_BP, mask_BP, out[:, ids_BP.shape[1]:].cpu(), tokenizer)
+
+
+@torch.no_grad()
+def rm_scores(rm, input_ids_BT, attention_mask_BT, pad_id: int, chunk: int = 64) -> torch.Tensor:
+    """Scalar RM score of each row, read at its last real token (rows are re-packed to left padding)."""
+    device = next(rm.parameters()).device
+    ids_BT, attn_BT = left_pad([row[m.bool()].tolist() for row, m in zip(input_ids_BT, attention_mask_BT)], pad_id)
+    out = [rm(input_ids=ids_BT[s:s + chunk].to(device), attention_mask=attn_BT[s:s + chunk].to(device),
+              position_ids=position_ids(attn_BT[s:s + chunk]).to(device)).logits[:, 0].float().cpu()
+           for s in range(0, len(ids_BT), chunk)]
+    return torch.cat(out)
+
+
+class RunningMoments:
+    """Running mean and std of all scores seen so far (TRL's score scaling)."""
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-24
+
+    def update(self, x_B: torch.Tensor) -> None:
+        n, m, v = len(x_B), x_B.mean().item(), x_B.var(unbiased=False).item()
+        total = self.count + n
+        delta = m - self.mean
+        self.var = (self.var * self.count + v * n + delta**2 * self.count * n / total) / total
+        self.mean, self.count = self.mean + delta * n / total, total
+
+
+def shape_scores(raw_B: torch.Tensor, moments: RunningMoments, args: Args) -> tuple[torch.Tensor, int]:
+    """NaN/inf scores -> 0, then (optionally) whiten with running moments and clip to +-score_clip."""
+    bad_B = ~torch.isfinite(raw_B)
+    scores_B = raw_B.masked_fill(bad_B, 0.0)
+    if args.score_norm:
+        moments.update(scores_B)
+        scores_B = ((scores_B - moments.mean) / (math.sqrt(moments.var) + 1e-8)).clamp(-args.score_clip,
+                                                                                       args.score_clip)
+    return scores_B, int(bad_B.sum())
+
+
+def masked_whiten(x_BC: torch.Tensor, mask_BC: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    n = mask_BC.sum().clamp(min=1)
+    mean = (x_BC * mask_BC).sum() / n
+    var = (((x_BC - mean) * mask_BC) ** 2).sum() / n
+    out = (x_BC - mean) * torch.rsqrt(var + 1e-8)
+    return (out if shift_mean else out + mean) * mask_BC
+
+
+def gae(rewards_BC, values_BC, mask_BC, gamma: float, lam: float):
+    """A_t = sum_l (gamma lambda)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t; nothing flows past eos."""
+    adv_BC, last_B = torch.zeros_like(rewards_BC), torch.zeros_like(rewards_BC[:, 0])
+    C = rewards_BC.shape[1]
+    for t in reversed(range(C)):
+        keep_B = mask_BC[:, t + 1] if t + 1 < C else torch.zeros_like(last_B)
+        next_v_B = values_BC[:, t + 1] * keep_B if t + 1 < C else keep_B
+        delta_B = rewards_BC[:, t] + gamma * next_v_B - values_BC[:, t]
+        last_B = delta_B + gamma * lam * keep_B * last_B
+        adv_BC[:, t] = last_B
+    return adv_BC * mask_BC, (adv_BC + values_BC) * mask_BC
+
+
+def policy_forward(model, v_head, ids_BT, attn_BT, prompt_len: int, temperature: float):
+    """Completion-token log-probs (at the sampling temperature), values V_t and entropies (no grad)."""
+    out = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT),
+                output_hidden_states=True, use_cache=False)
+    logits_BCV = out.logits[:, prompt_len - 1:-1].float() / temperature
+    lse_BC = logits_BCV.logsumexp(-1)
+    logp_BC = logits_BCV.gather(-1, ids_BT[:, prompt_len:, None]).squeeze(-1) - lse_BC
+    values_BC = v_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()).squeeze(-1)
+    with torch.no_grad():
+        entropy_BC = lse_BC - (logits_BCV.softmax(-1) * logits_BCV).sum(-1)
+    return logp_BC, values_BC, entropy_BC
+
+
+def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
+    """Clipped policy loss + vf_coef * clipped value loss, token sums divided by the mini-batch's tokens."""
+    # L = sum_t m_t [ max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps))
+    #                 + c_v max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -eps_v, eps_v) - R_t)^2) / 2 ] / sum_t m_t
+    b = {k: v[rows].to(logp_BC.device) for k, v in batch.items()}
+    mask_BC, adv_BC, ret_BC, old_values_BC = b["mask_BC"], b["adv_BC"], b["returns_BC"], b["values_BC"]
+    ratio_BC = torch.exp(logp_BC - b["old_logp_BC"])
+    pg_BC = torch.maximum(-adv_BC * ratio_BC, -adv_BC * ratio_BC.clamp(1 - args.clip_range, 1 + args.clip_range))
+    v_clipped_BC = old_values_BC + (values_BC - old_values_BC).clamp(-args.vf_clip, args.vf_clip)
+    vf_BC = 0.5 * torch.maximum((values_BC - ret_BC) ** 2, (v_clipped_BC - ret_BC) ** 2)
+    pg_loss, vf_loss = (pg_BC * mask_BC).sum() / n_tok, (vf_BC * mask_BC).sum() / n_tok
+    with torch.no_grad():
+        log_ratio = logp_BC - b["old_logp_BC"]
+        stats = {"ratio_sum": (ratio_BC * mask_BC).sum().item(),
+                 "max_ratio": (ratio_BC * mask_BC).max().item(),
+                 "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(),
+                 "policy/clip_frac": (((ratio_BC - 1).abs() > args.clip_range).float() * mask_BC).sum().item(),
+                 "value/clip_frac": (((values_BC - old_values_BC).abs() > args.vf_clip).float() * mask_BC).sum().item(),
+                 "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item()}
+    return pg_loss + args.vf_coef * vf_loss, stats
+
+
+def check_not_frozen(lm_params: dict, before: dict) -> float:
+    """The silent-freeze check: trainable LM (LoRA) parameters exist and moved in the first update."""
+    if not lm_params:
+        raise SystemExit("error: silent LoRA freeze: the policy has no trainable language-model parameters "
+                         "(only the value head trains, so the policy can never change). Loading a PEFT adapter "
+                         "with PeftModel.from_pretrained leaves it frozen; use --policy-init merge_reinit.")
+    moved = sum((p.detach() - before[n]).norm().item() ** 2 for n, p in lm_params.items()) ** 0.5
+    if not moved > 0:
+        raise SystemExit(f"error: silent LoRA freeze: {len(lm_params)} trainable LM tensors did not change in "
+                         "the first PPO update (check the learning rate and that the LoRA receives gradients)")
+    return moved
+
+
+# Stages 1 and 2: SFT adapter and reward model
+def train_sft(args: Args, base: str, tokenizer, examples: list[Example], out_dir: str, device: str) -> None:
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(load_model(base, "float32", device), LoraConfig(
+        r=args.sft_lora_r, lora_alpha=2 * args.sft_lora_r, lora_dropout=0.0,
+        target_modules=list(args.lora_target_modules)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.sft_lr)
+    rng = random.Random(args.seed)
+    for _ in tqdm(range(args.sft_steps), desc="sft", leave=False):
+        batch = rng.sample(examples, min(args.sft_batch_size, len(examples)))
+        ids_BT, attn_BT, comp_BT = encode_pairs(tokenizer, [e.prompt for e in batch], [e.chosen for e in batch])
+        loss = model(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
+                     position_ids=position_ids(attn_BT).to(device),
+                     labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out_dir)
+
+
+def merge_sft(base: str, adapter: str, out_dir: str, tokenizer) -> str:
+    """Base + SFT adapter, merged into plain weights (the start of merge-and-reinitialise)."""
+    from peft import PeftModel
+    merged = PeftModel.from_pretrained(load_model(base), adapter).merge_and_unload()
+    merged.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def train_reward_model(args: Args, sft_dir: str, tokenizer, train: list[Example], out_dir: str, device: str):
+    """Bradley-Terry RM initialised from the SFT backbone: -log sigmoid(r(x, y_w) - r(x, y_l))."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+    rm = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=torch.float32)
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    rm = get_peft_model(rm, LoraConfig(task_type="SEQ_CLS", r=args.rm_lora_r, lora_alpha=2 * args.rm_lora_r,
+                                       lora_dropout=0.0, target_modules=list(args.lora_target_modules))).to(device)
+    opt = torch.optim.AdamW([p for p in rm.parameters() if p.requires_grad], lr=args.rm_lr)
+    rng = random.Random(args.seed + 1)
+    for _ in tqdm(range(args.rm_steps), desc="reward model", leave=False):
+        batch = rng.sample(train, min(args.rm_batch_size, len(train)))
+        ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in batch] * 2,
+                                          [e.chosen for e in batch] + [e.rejected for e in batch])
+        r_2B = rm(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
+                  position_ids=position_ids(attn_BT).to(device)).logits[:, 0]
+        loss = -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    rm = rm.merge_and_unload()
+    rm.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def pair_accuracy(rm, tokenizer, pairs: list[Example]) -> float:
+    """Fraction of held-out pairs where the RM scores the chosen completion above the rejected one."""
+    ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in pairs] * 2,
+                                      [e.chosen for e in pairs] + [e.rejected for e in pairs])
+    r_2B = rm_scores(rm, ids_BT, attn_BT, tokenizer.pad_token_id)
+    return (r_2B[: len(pairs)] > r_2B[len(pairs):]).float().mean().item()
+
+
+def main(args: Args) -> dict:
+    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    rank, world, device = init_distributed(args.device)
+    if args.num_prompts % args.minibatch_size:
+        raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
+                         f"{args.minibatch_size}")
+    args.num_minibatches = args.num_prompts // args.minibatch_size
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    stamp = [int(time.time())]
+    if world > 1:
+        dist.broadcast_object_list(stamp, src=0)
+    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{stamp[0]}")
+    os.makedirs(run_dir, exist_ok=True)
+    from transformers import AutoModelForSequenceClassification
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base = resolve_model(args.model_name)
+    tokenizer = load_tokenizer(base)
+    train_ex = build_examples(args, "train", args.num_train_examples, args.seed)
+    heldout = build_examples(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
+
+    # Stages 1 and 2 (rank 0; the others wait and load the results)
+    t0 = time.time()
+    sft_adapter = args.sft_adapter or os.path.join(run_dir, "sft_adapter")
+    rm_dir = args.reward_model or os.path.join(run_dir, "reward_model")
+    sft_dir = os.path.join(run_dir, "sft_merged")
+    if rank == 0:
+        if not args.sft_adapter:
+            train_sft(args, base, tokenizer, train_ex, sft_adapter, device)
+        merge_sft(base, sft_adapter, sft_dir, tokenizer)
+        if not args.reward_model:
+            train_reward_model(args, sft_dir, tokenizer, train_ex, rm_dir, device)
+    if world > 1:
+        dist.barrier()
+    t_stages = time.time() - t0
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).to(device).eval()
+    rm.requires_grad_(False)
+    rm_acc = pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
+
+    # Merge-and-reinitialise (or the naive load that freezes the LoRA); float32 unless --ppo-dtype says otherwise
+    ref_model = load_model(sft_dir, args.ppo_dtype, device).eval().requires_grad_(False)
+    if args.policy_init == "merge_reinit":
+        policy = get_peft_model(load_model(sft_dir, args.ppo_dtype, device), LoraConfig(
+            r=args.lora_r, lora_alpha=args.lora_r, lora_dropout=0.0, target_modules=list(args.lora_target_modules)))
+    else:
+        policy = PeftModel.from_pretrained(load_model(base, args.ppo_dtype, device), sft_adapter)
+    v_head = torch.nn.Linear(policy.config.hidden_size, 1).to(device)
+    torch.nn.init.zeros_(v_head.weight)  # V = 0 at the start; the policy starts exactly at the SFT model
+    torch.nn.init.zeros_(v_head.bias)
+    actor_critic = torch.nn.ModuleDict({"policy": policy, "v_head": v_head}).train()
+    trainable = {n: p for n, p in actor_critic.named_parameters() if p.requires_grad}
+    lm_params = {n: p for n, p in trainable.items() if not n.startswith("v_head")}
+    optimizer = torch.optim.AdamW(trainable.values(), lr=args.learning_rate)
+    healthy = ({n: p.detach().clone() for n, p in trainable.items()}, copy.deepcopy(optimizer.state_dict()))
+    guard, moments, beta = FiniteLogits(), RunningMoments(), args.init_kl_coef
+    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    is_testbed = args.dataset == "testbed"
+    eval_ex = heldout[: args.num_eval_prompts]
+    eval_ids = tokenizer([e.prompt for e in eval_ex], add_special_tokens=False)["input_ids"]
+
+    def run_eval(model) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """RM score and verifier correctness of one sample per held-out prompt, and greedy accuracy."""
+        ro = generate(model, tokenizer, eval_ids, args, FiniteLogits())
+        s_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
+        out = {"eval/rm_score": s_B.mean().item()}
+        c_B = torch.zeros_like(s_B)
+        if is_testbed:
+            c_B = verify(ro.texts, eval_ex)
+            out["eval/sampled_accuracy"] = c_B.mean().item()
+            out["eval/greedy_accuracy"] = verify(
+                generate(model, tokenizer, eval_ids, args, FiniteLogits(), greedy=True).texts, eval_ex).mean().item()
+        return out, s_B, c_B
+
+    sft_eval, sft_s_B, sft_c_B = run_eval(ref_model)
+    first = {"rm/pair_accuracy": rm_acc, "time/stages": t_stages, **sft_eval}
+    logger.log(0, first)
+    if rank == 0:
+        print(f"reward model held-out pair accuracy {rm_acc:.3f} ({t_stages:.0f} s for SFT + RM)")
+
+    rollbacks, checked, metrics, step = 0, False, {}, 0
+    bar = tqdm(range(1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0)
+    for step in bar:
+        t_step = time.time()
+        # 1. Rollouts: one completion per prompt, through the logits guard
+        batch_ex = random.sample(train_ex, args.num_prompts)
+        prompt_ids = tokenizer([e.prompt for e in batch_ex], add_special_tokens=False)["input_ids"]
+        t0, fixes0 = time.time(), guard.fixed
+        ro = generate(policy, tokenizer, prompt_ids, args, guard)
+        t_gen = time.time() - t0
+
+        # 2. Reward-model scores: noise / faults injected here, then NaN/inf -> 0, whitening, 3-sigma clip
+        t0 = time.time()
+        raw_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
+        raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
+        if args.inject_nonfinite_scores:
+            hit_B = torch.rand_like(raw_B) < args.inject_nonfinite_scores  # even rows NaN, odd rows +inf
+            raw_B = raw_B.masked_fill(hit_B, float("nan")).masked_fill(hit_B & (torch.arange(len(raw_B)) % 2 == 1),
+                                                                       float("inf"))
+        scores_B, n_bad = shape_scores(raw_B, moments, args)
+        correct_B = verify(ro.texts, batch_ex) if is_testbed else None
+        t_score = time.time() - t0
+
+        # 3. Old log-probs and values, reference log-probs (no grad)
+        t0 = time.time()
+        mask_BC, ids_BT, attn_BT, P = ro.completion_mask_BC, ro.input_ids_BT, ro.attention_mask_BT, ro.prompt_len
+        with torch.no_grad():
+            parts = [policy_forward(policy, v_head, ids_BT[r].to(device), attn_BT[r].to(device), P, args.temperature)
+                     for r in torch.arange(len(ids_BT)).split(args.minibatch_size)]
+        old_logp_BC = torch.cat([p[0] for p in parts]).cpu() * mask_BC
+        values_BC = torch.cat([p[1] for p in parts]).cpu() * mask_BC
+        ref_logp_BC = batched_logprobs(ref_model, ro, args.temperature, args.minibatch_size)
+        if step == args.inject_ratio_step:
+            old_logp_BC = old_logp_BC - 5.0 * mask_BC
+        t_logp = time.time() - t0
+
+        # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages
+        kl_BC = (old_logp_BC - ref_logp_BC) * mask_BC
+        rewards_BC = -beta * kl_BC
+        rewards_BC[torch.arange(len(scores_B)), ro.lengths_B - 1] += scores_B
+        if args.whiten_rewards:
+            rewards_BC = masked_whiten(rewards_BC, mask_BC, shift_mean=False)
+        adv_BC, returns_BC = gae(rewards_BC, values_BC, mask_BC, args.gamma, args.lam)
+        adv_BC = masked_whiten(adv_BC, mask_BC)
+        batch = dict(mask_BC=mask_BC, adv_BC=adv_BC, returns_BC=returns_BC, values_BC=values_BC,
+                     old_logp_BC=old_logp_BC)
+
+        # 5. Update: ppo_epochs x num_minibatches, with the ratio guard and the rollback after the step
+        t0 = time.time()
+        before = {n: p.detach().clone() for n, p in lm_params.items()}
+        sums, grad_norms, skips, max_ratio, n_updates = {}, [], 0, 0.0, 0
+        for _ in range(args.ppo_epochs):
+            for rows in torch.randperm(args.num_prompts).split(args.minibatch_size):
+                n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))
+                logp_BC, new_values_BC, entropy_BC = policy_forward(
+                    policy, v_head, ids_BT[rows].to(device), attn_BT[rows].to(device), P, args.temperature)
+                loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
+                stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
+                mean_ratio = (all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()
+                max_ratio = max(max_ratio, stats.pop("max_ratio"))
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if args.ratio_guard and not mean_ratio <= args.ratio_threshold:
+                    skips += 1  # policy and value loss of this mini-batch multiplied by 0: no step at all
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                all_reduce_grads(actor_critic)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
+                optimizer.step()
+                n_updates += 1
+        if step == args.inject_inf_weight_step:
+            with torch.no_grad():
+                next(iter(lm_params.values()) if lm_params else iter(trainable.values())).view(-1)[0] = float("inf")
+        t_update = time.time() - t0
+
+        # Safety: roll back non-finite weights; check once that the LoRA is not silently frozen
+        stop, finite = "", all(torch.isfinite(p).all() for p in trainable.values())
+        if args.rollback and not finite:
+            with torch.no_grad():
+                for n, p in trainable.items():
+                    p.copy_(healthy[0][n])
+            optimizer.load_state_dict(healthy[1])
+            rollbacks += 1
+            if rollbacks >= args.max_rollbacks:
+                stop = f"stopping: {rollbacks} rollbacks (non-finite weights after {rollbacks} updates)"
+        elif finite:
+            healthy = ({n: p.detach().clone() for n, p in trainable.items()}, copy.deepcopy(optimizer.state_dict()))
+            if not checked and n_updates:
+                check_not_frozen(lm_params, before)
+                checked = True
+
+        # 6. Adaptive KL controller on the summed per-sequence KL to the reference
+        kl_ref = all_reduce_mean({"k": kl_BC.sum(1).mean().item()})["k"]
+        if args.adaptive_kl:
+            beta *= 1 + float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2)) * args.num_prompts * world / args.kl_horizon
+        if kl_ref < -50:
+            stop = stop or f"stopping: KL to the reference is {kl_ref:.1f} < -50"
+
+        # TRY NOT TO MODIFY: metrics
+        n_mb, n_tok = args.ppo_epochs * args.num_minibatches, max(mask_BC.sum().item() * args.ppo_epochs, 1.0)
+        total_B = (rewards_BC * mask_BC).sum(1)
+        metrics = {
+            "reward/mean": total_B.mean().item(), "reward/std": total_B.std(unbiased=False).item(),
+            "rm/score_mean": raw_B[torch.isfinite(raw_B)].mean().item() if torch.isfinite(raw_B).any() else 0.0,
+            "rm/score_std": raw_B[torch.isfinite(raw_B)].std(unbiased=False).item() if torch.isfinite(raw_B).any()
+            else 0.0,
+            "adv/mean_abs": (adv_BC.abs() * mask_BC).sum().item() / max(mask_BC.sum().item(), 1.0),
+            "loss/policy": sums["loss/policy"] / n_mb, "loss/value": sums["loss/value"] / n_mb,
+            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "value/clip_frac": sums["value/clip_frac"] / n_tok,
+            "policy/approx_kl": sums["policy/approx_kl"] / n_tok, "policy/entropy": sums["policy/entropy"] / n_tok,
+            "policy/kl_ref": kl_ref, "kl/beta": beta,
+            "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": args.learning_rate,
+            "rollout/completion_len": ro.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": ro.truncated_B.float().mean().item(),
+            "safety/nonfinite_scores": n_bad, "safety/logit_fixes": guard.fixed - fixes0,
+            "safety/max_ratio": max_ratio, "safety/ratio_guard_skips": skips, "safety/rollbacks": rollbacks,
+            "perf/gen_tokens_per_s": ro.lengths_B.sum().item() / max(t_gen, 1e-9),
+            "perf/train_tokens_per_s": args.ppo_epochs * attn_BT.sum().item() / max(t_update, 1e-9),
+            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
+            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        }
+        if correct_B is not None:
+            metrics["train/accuracy"] = correct_B.mean().item()
+        metrics = all_reduce_mean(metrics)
+        metrics["perf/step_time"] = time.time() - t_step
+        logger.log(step, metrics, bar)
+        if stop:
+            if rank == 0:
+                print(stop)
+            break
+
+    # Final evaluation against the SFT samples on the same prompts, and the PPO adapter + value head
+    if args.rollback:  # never save or evaluate non-finite weights
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(healthy[0][n])
+    final, s_B, c_B = run_eval(policy)
+    final["eval/win_rate_rm"] = ((s_B > sft_s_B).float() + 0.5 * (s_B == sft_s_B).float()).mean().item()
+    delta, spread = (s_B.mean() - sft_s_B.mean()).item(), math.sqrt(s_B.var().item() + sft_s_B.var().item())
+    final["eval/win_rate_rm_analytic"] = 0.5 * (1 + math.erf(delta / max(spread, 1e-12) / math.sqrt(2)))
+    if is_testbed:
+        final["eval/win_rate_verifier"] = ((c_B > sft_c_B).float() + 0.5 * (c_B == sft_c_B).float()).mean().item()
+    final["safety/rollbacks"] = rollbacks
+    logger.log(step, final)
+    logger.close(plot=False)
+    if rank == 0:
+        policy.save_pretrained(os.path.join(run_dir, "ppo_adapter"))
+        torch.save(v_head.state_dict(), os.path.join(run_dir, "ppo_adapter", "value_head.pt"))
+        line = (f"RM score {sft_eval['eval/rm_score']:.3f} -> {final['eval/rm_score']:.3f}, "
+                f"win rate over SFT (RM) {final['eval/win_rate_rm']:.3f}")
+        if is_testbed:
+            line += (f", verifier win rate {final['eval/win_rate_verifier']:.3f}, greedy accuracy "
+                     f"{sft_eval['eval/greedy_accuracy']:.3f} -> {final['eval/greedy_accuracy']:.3f}")
+        print(f"{line}; run folder {run_dir}")
+    return {"rm_accuracy": rm_acc, "before": first, "after": final, "last": metrics, "steps": step,
+            "rollbacks": rollbacks, "run_dir": run_dir, "sft_adapter": sft_adapter, "reward_model": rm_dir}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

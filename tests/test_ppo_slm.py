@@ -1,0 +1,156 @@
+"""ppo_slm.py: the three stages, the freeze check, the logits guard and each safety layer under injected faults."""
+
+import inspect
+import io
+import os
+from contextlib import redirect_stdout
+from dataclasses import fields
+
+import pytest
+import torch
+import tyro
+from safetensors.torch import load_file
+
+import ppo_slm
+from common.logger import read_metrics
+
+TINY = ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prompts", "16", "--num-prompts", "8",
+        "--minibatch-size", "4", "--max-new-tokens", "4", "--sft-steps", "3", "--sft-batch-size", "8",
+        "--rm-steps", "3", "--rm-batch-size", "8", "--total-steps", "3"]
+
+
+def _args(tmp_path, model_dir, *extra) -> ppo_slm.Args:
+    return tyro.cli(ppo_slm.Args, args=["--output-dir", str(tmp_path), "--model-name", model_dir, *TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory, tiny_model_dir):
+    """SFT adapter and reward model trained once (a full pipeline run), reused by path afterwards."""
+    tmp = tmp_path_factory.mktemp("stages")
+    out = ppo_slm.main(_args(tmp, tiny_model_dir, "--run-name", "full"))
+    return tiny_model_dir, ["--sft-adapter", out["sft_adapter"], "--reward-model", out["reward_model"]], out
+
+
+def _steps(out) -> dict:
+    return {r["step"]: r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r}
+
+
+def test_help_documents_every_flag():
+    text = io.StringIO()
+    with redirect_stdout(text), pytest.raises(SystemExit):
+        tyro.cli(ppo_slm.Args, args=["--help"])
+    src = inspect.getsource(ppo_slm.Args).splitlines()
+    for f in fields(ppo_slm.Args):
+        assert "--" + f.name.replace("_", "-") in text.getvalue(), f.name
+        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
+        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+
+
+def test_full_pipeline_runs_and_reports(stages):
+    _, _, out = stages
+    assert 0.0 <= out["rm_accuracy"] <= 1.0
+    assert os.path.exists(os.path.join(out["sft_adapter"], "adapter_config.json"))
+    assert os.path.exists(os.path.join(out["reward_model"], "config.json"))
+    assert sorted(_steps(out)) == [1, 2, 3]
+    for key in ("eval/rm_score", "eval/win_rate_rm", "eval/win_rate_verifier", "eval/greedy_accuracy"):
+        assert key in out["after"], key
+    assert os.path.exists(os.path.join(out["run_dir"], "ppo_adapter", "value_head.pt"))
+
+
+@pytest.fixture(scope="module")
+def faulty_runs(stages, tmp_path_factory):
+    """The same faults injected with the safety envelope on and off: NaN/inf scores on every step, an inf
+    weight after the update of step 2, old log-probs shifted by 5 nats (ratio ~ e^5) at step 3."""
+    model, paths, _ = stages
+    tmp = tmp_path_factory.mktemp("faults")
+    faults = ["--inject-nonfinite-scores", "0.5", "--inject-inf-weight-step", "2", "--inject-ratio-step", "3",
+              "--total-steps", "4"]
+    on = ppo_slm.main(_args(tmp, model, *paths, *faults, "--run-name", "on"))
+    off = ppo_slm.main(_args(tmp, model, *paths, *faults, "--no-score-norm", "--no-ratio-guard", "--no-rollback",
+                             "--run-name", "off"))
+    return on, off
+
+
+def _adapter_finite(out) -> bool:
+    adapter = load_file(os.path.join(out["run_dir"], "ppo_adapter", "adapter_model.safetensors"))
+    return all(torch.isfinite(t).all() for t in adapter.values())
+
+
+def test_nan_reward_is_neutralised(faulty_runs):
+    raw_B = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 2.0, 40.0])
+    args = ppo_slm.Args()
+    scores_B, n_bad = ppo_slm.shape_scores(raw_B, ppo_slm.RunningMoments(), args)
+    assert n_bad == 3 and torch.isfinite(scores_B).all() and scores_B.abs().max() <= args.score_clip
+    # end to end: half of the scores are NaN/inf; before the inf weight (step 1) everything stays finite
+    on, _ = faulty_runs
+    row = _steps(on)[1]
+    assert row["safety/nonfinite_scores"] > 0
+    assert all(torch.isfinite(torch.tensor(row[k])) for k in ("reward/mean", "loss/policy", "loss/value"))
+
+
+def test_inf_weight_is_rolled_back_and_counted(faulty_runs):
+    on, off = faulty_runs
+    rows = _steps(on)
+    assert [rows[s]["safety/rollbacks"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert rows[4]["safety/logit_fixes"] == 0 and _adapter_finite(on)
+    # the fault is real: without rollback the weight stays non-finite and generation needs the logits guard
+    rows = _steps(off)
+    assert rows[4]["safety/rollbacks"] == 0 and rows[4]["safety/logit_fixes"] > 0 and not _adapter_finite(off)
+
+
+def test_huge_ratio_trips_the_guard(faulty_runs):
+    on, off = faulty_runs
+    per_step = 2 * (8 // 4)  # ppo_epochs x mini-batches: every mini-batch of the faulty step is skipped
+    rows = _steps(on)
+    assert rows[3]["safety/ratio_guard_skips"] == per_step and rows[3]["safety/max_ratio"] > 100
+    assert rows[1]["safety/ratio_guard_skips"] == 0 and rows[4]["safety/ratio_guard_skips"] == 0
+    assert _steps(off)[3]["safety/ratio_guard_skips"] == 0
+
+
+def test_rollbacks_stop_training_after_the_limit(stages, tmp_path):
+    model, paths, _ = stages
+    out = ppo_slm.main(_args(tmp_path, model, *paths, "--inject-inf-weight-step", "1", "--max-rollbacks", "1",
+                             "--run-name", "stop"))
+    assert out["steps"] == 1 and out["rollbacks"] == 1
+
+
+def test_naive_adapter_load_freezes_and_the_check_catches_it(stages, tmp_path):
+    model, paths, _ = stages
+    with pytest.raises(SystemExit, match="silent LoRA freeze: the policy has no trainable"):
+        ppo_slm.main(_args(tmp_path, model, *paths, "--policy-init", "naive_adapter", "--run-name", "naive"))
+    with pytest.raises(SystemExit, match="did not change"):  # the check also fires when a LoRA exists but is stuck
+        ppo_slm.main(_args(tmp_path, model, *paths, "--learning-rate", "0", "--run-name", "stuck"))
+
+
+def test_merge_reinit_starts_at_sft_and_trains(stages):
+    _, _, out = stages
+    adapter = load_file(os.path.join(out["run_dir"], "ppo_adapter", "adapter_model.safetensors"))
+    lora_b = [t for k, t in adapter.items() if "lora_B" in k]
+    assert lora_b and sum(t.abs().sum().item() for t in lora_b) > 0  # fresh B = 0 has moved
+    # the fresh LoRA (B = 0) leaves the merged SFT model unchanged at step 0
+    from peft import LoraConfig, get_peft_model
+
+    from common.models import load_model
+    merged = load_model(os.path.join(out["run_dir"], "sft_merged")).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = merged(input_ids=ids).logits
+        fresh = get_peft_model(merged, LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        assert torch.equal(fresh(input_ids=ids).logits, want)
+
+
+def test_logits_guard_makes_logits_finite():
+    guard = ppo_slm.FiniteLogits()
+    out = guard(None, torch.tensor([[float("nan"), float("inf"), -float("inf"), 500.0, 1.5]]))
+    assert torch.equal(out, torch.tensor([[-100.0, 100.0, -100.0, 100.0, 1.5]])) and guard.fixed == 3
+
+
+def test_gae_matches_the_recursion():
+    rewards_BC = torch.tensor([[0.0, 1.0, 5.0]])
+    values_BC = torch.tensor([[0.5, 0.2, 9.0]])
+    mask_BC = torch.tensor([[1.0, 1.0, 0.0]])  # two real tokens: nothing flows from the padded column
+    adv_BC, ret_BC = ppo_slm.gae(rewards_BC, values_BC, mask_BC, gamma=0.9, lam=0.5)
+    d1 = 1.0 - 0.2
+    d0 = 0.0 + 0.9 * 0.2 - 0.5
+    assert torch.allclose(adv_BC, torch.tensor([[d0 + 0.45 * d1, d1, 0.0]]))
+    assert torch.allclose(ret_BC[:, :2], adv_BC[:, :2] + values_BC[:, :2])
