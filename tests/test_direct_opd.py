@@ -1,0 +1,194 @@
+"""direct_opd.py: the top-K teacher-pair reward on hand-made logits, identical teachers do nothing, a real pair
+trains, the vocabulary check, the cached default teacher, and a subprocess smoke run."""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from dataclasses import fields
+
+import pytest
+import torch
+import tyro
+
+import direct_opd
+from common.logger import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-prompts", "4", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
+        "--eval-samples", "0", "--eval-every", "0", "--micro-batch-size", "4"]
+NO_KL = ["--kl-coef", "0", "--kl-coef-min", "0", "--kl-coef-max", "0"]
+
+
+def _args(tmp_path, *extra) -> direct_opd.Args:
+    return tyro.cli(direct_opd.Args, args=["--output-dir", str(tmp_path), *TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def shifted_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with every weight nudged: a 'post-RL' teacher whose log-probs differ from the tiny one."""
+    from common.models import load_model, load_tokenizer
+
+    path = str(tmp_path_factory.mktemp("shifted"))
+    model = load_model(tiny_model_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    load_tokenizer(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+def _weights(run_dir):
+    from common.models import load_model
+
+    return load_model(os.path.join(run_dir, "checkpoint")).state_dict()
+
+
+def test_help_documents_every_flag():
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        tyro.cli(direct_opd.Args, args=["--help"])
+    import inspect
+
+    src = inspect.getsource(direct_opd.Args).splitlines()
+    for f in fields(direct_opd.Args):
+        assert "--" + f.name.replace("_", "-") in out.getvalue(), f.name
+        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
+        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+
+
+def test_topk_weights_and_teacher_logratio_on_hand_made_logits():
+    # one position, vocabulary of 5, K = 3
+    student = torch.tensor([[[2.0, 0.0, 1.0, -1.0, 0.5]]])
+    post = torch.tensor([[[0.0, 3.0, 1.0, 0.0, 0.0]]])
+    pre = torch.tensor([[[1.0, 0.0, 1.0, 0.0, 2.0]]])
+    slogp, ids = torch.log_softmax(student, -1).topk(3, dim=-1)
+    assert ids.tolist() == [[[0, 2, 4]]]  # the student's own top-3, whatever the teachers prefer
+    lp = lambda logits, v: logits[v] - math.log(sum(math.exp(x) for x in logits))  # noqa: E731
+    s, po, pr = student[0, 0].tolist(), post[0, 0].tolist(), pre[0, 0].tolist()
+    z = sum(math.exp(s[v]) for v in (0, 2, 4))
+    want_w = [math.exp(s[v]) / z for v in (0, 2, 4)]  # renormalised over the support, not over the vocabulary
+    want_d = [lp(po, v) - lp(pr, v) for v in (0, 2, 4)]
+    g = lambda logits: torch.log_softmax(logits, -1).gather(-1, ids)  # noqa: E731
+    adv, w, d = direct_opd.dense_advantages(slogp, g(post), g(pre))
+    assert w[0, 0].tolist() == pytest.approx(want_w, abs=1e-6)
+    assert d[0, 0].tolist() == pytest.approx(want_d, abs=1e-6)
+    assert adv[0, 0].tolist() == pytest.approx([a * b for a, b in zip(want_w, want_d)], abs=1e-6)
+    # vanilla OPD: the same support and weights, but teacher minus student
+    adv_v, _, d_v = direct_opd.dense_advantages(slogp, g(post), slogp)
+    assert d_v[0, 0].tolist() == pytest.approx([lp(po, v) - lp(s, v) for v in (0, 2, 4)], abs=1e-6)
+    # identical teachers: exactly zero, not just small
+    adv0, _, _ = direct_opd.dense_advantages(slogp, g(post), g(post))
+    assert torch.equal(adv0, torch.zeros_like(adv0))
+
+
+def test_topk_loss_gradient_is_the_weighted_logratio_policy_gradient():
+    """With one on-policy update (ratio 1) the loss gradient is -sum_v A(v) grad log pi(v)."""
+    logits = torch.tensor([[[2.0, 0.0, 1.0, -1.0, 0.5]]], requires_grad=True)
+    logp = torch.log_softmax(logits, -1)
+    old, ids = logp.detach().topk(3, dim=-1)
+    adv = torch.tensor([[[0.3, -0.2, 0.1]]])
+    loss, clipped = direct_opd.topk_clipped_surrogate(logp.gather(-1, ids), old, adv, 0.2, 0.2, 3.0)
+    (grad,) = torch.autograd.grad(loss.sum(), logits, retain_graph=True)
+    (want,) = torch.autograd.grad(-(adv * logp.gather(-1, ids)).sum(), logits)
+    assert torch.allclose(grad, want) and clipped.sum() == 0
+
+
+def test_adaptive_kl_coefficient_moves_with_the_reward_sign_inside_its_range():
+    beta = 2.5
+    for _ in range(200):
+        beta = direct_opd.update_kl_coef(beta, -0.1, 0.01, 0.5, 2.5)
+    assert beta == 0.5
+    assert direct_opd.update_kl_coef(1.0, 0.1, 0.01, 0.5, 2.5) == pytest.approx(1.01)
+    assert direct_opd.update_kl_coef(1.0, 0.0, 0.01, 0.5, 2.5) == 1.0
+
+
+@pytest.mark.parametrize("kl", ["zero", "default"])
+def test_identical_teachers_give_zero_advantage_and_no_parameter_change(tmp_path, tiny_model_dir, shifted_model_dir,
+                                                                        kl):
+    """With KL at zero the loss is exactly 0; with the default KL too, since the student's and the reference's
+    log-probs come from the same code path and k3 has zero gradient where they agree."""
+    from common.models import load_model
+
+    start = load_model(tiny_model_dir).state_dict()
+    out = direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", shifted_model_dir,
+                                "--teacher-post", shifted_model_dir, "--total-steps", "2", "--run-name", "same",
+                                *(NO_KL if kl == "zero" else [])))
+    rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
+    assert [r["adv/mean_abs"] for r in rows] == [0.0, 0.0]
+    assert [r["delta_opd/weighted_reward_mean"] for r in rows] == [0.0, 0.0]
+    end = _weights(out["run_dir"])
+    changed = [k for k in start if not torch.equal(start[k], end[k])]
+    assert not changed, changed
+
+
+def test_a_real_teacher_shift_moves_every_parameter(tmp_path, tiny_model_dir, shifted_model_dir):
+    """The positive control of the test above: same settings, a pair that differs."""
+    from common.models import load_model
+
+    start = load_model(tiny_model_dir).state_dict()
+    out = direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir,
+                                "--teacher-post", shifted_model_dir, "--total-steps", "2", "--run-name", "shift",
+                                *NO_KL))
+    rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
+    assert all(r["adv/mean_abs"] > 0 and r["optim/grad_norm"] > 0 for r in rows)
+    end = _weights(out["run_dir"])
+    unchanged = [k for k in start if torch.equal(start[k], end[k])]
+    assert not unchanged, unchanged
+
+
+@pytest.mark.parametrize("reward", ["vanilla_opd", "direct_plus_grpo"])
+def test_ablation_rewards_run(tmp_path, tiny_model_dir, shifted_model_dir, reward):
+    out = direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir,
+                                "--teacher-post", shifted_model_dir, "--total-steps", "1", "--reward", reward,
+                                "--run-name", reward))
+    last = out["last"]
+    assert math.isfinite(last["loss/policy"]) and last["adv/mean_abs"] > 0 and last["kl/coef"] == 2.5
+    assert ("adv/frac_zero_std" in last) == (reward == "direct_plus_grpo")
+
+
+def test_mismatched_tokenizers_fail_fast_naming_the_culprit(tmp_path, tiny_model_dir):
+    from common.models import load_model, load_tokenizer
+
+    other = tmp_path / "other_vocab"
+    tok = load_tokenizer(tiny_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tok.save_pretrained(other)
+    load_model(tiny_model_dir).save_pretrained(other)
+    with pytest.raises(SystemExit, match=r"teacher_post \(.*other_vocab\) have different tokenizers"):
+        direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir,
+                              "--teacher-post", str(other)))
+    with pytest.raises(SystemExit, match=r"teacher_pre \(.*other_vocab\) have different tokenizers"):
+        direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", str(other)))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("direct_opd")]  # failed before any run folder
+
+
+def test_default_teacher_is_built_with_grpo_once_then_cached(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "cache"))
+    args = _args(tmp_path, "--teacher-pre", tiny_model_dir, "--teacher-grpo-steps", "1")
+    path = direct_opd.build_teacher_post(args, world=1)
+    meta = json.load(open(os.path.join(path, "TEACHER_DONE.json")))
+    assert meta["settings"]["steps"] == 1 and "eval/greedy_accuracy" in meta["after"]
+    assert [r["step"] for r in read_metrics(os.path.join(path, "grpo_metrics.jsonl")) if "reward/mean" in r] == [1]
+    stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    assert direct_opd.build_teacher_post(args, world=1) == path  # second call: no training
+    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
+    other = _args(tmp_path, "--teacher-pre", tiny_model_dir, "--teacher-grpo-steps", "2")
+    assert direct_opd.teacher_post_dir(other) != path  # keyed by the settings
+
+
+def test_subprocess_smoke_run(tmp_path, tiny_model_dir, shifted_model_dir):
+    r = subprocess.run([sys.executable, "direct_opd.py", *TINY, "--model-name", tiny_model_dir, "--teacher-pre",
+                        tiny_model_dir, "--teacher-post", shifted_model_dir, "--total-steps", "2", "--output-dir",
+                        str(tmp_path), "--run-name", "smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "held-out greedy accuracy" in r.stdout and "teacher pair" in r.stdout
+    rows = read_metrics(tmp_path / "smoke" / "metrics.jsonl")
+    assert [x["step"] for x in rows if "reward/mean" in x] == [1, 2]
+    assert "eval/teacher_post_greedy_accuracy" in rows[0]
+    assert os.path.exists(tmp_path / "smoke" / "checkpoint" / "model.safetensors")
