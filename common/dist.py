@@ -23,10 +23,20 @@ def init_distributed(device: str) -> tuple[int, int, str]:
     return rank, world, device
 
 
+def _all_reduce_(x: torch.Tensor) -> None:
+    """In-place sum over ranks; NCCL only reduces CUDA tensors, so CPU scalars make a round trip."""
+    if dist.get_backend() == "nccl" and x.device.type != "cuda":
+        y = x.to(f"cuda:{torch.cuda.current_device()}")
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        x.copy_(y.cpu())
+    else:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+
+
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks (identity on one process)."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        _all_reduce_(x)
     return x
 
 
@@ -49,5 +59,5 @@ def all_reduce_mean(metrics: dict) -> dict:
         return metrics
     keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
     t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    _all_reduce_(t)
     return {**metrics, **{k: (t[i] / dist.get_world_size()).item() for i, k in enumerate(keys)}}
