@@ -270,7 +270,7 @@ class VLLMEngine:
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:  # torchrun
             # one engine per rank, each with its own copy of the weights (data parallel, TP = 1)
             dist_kwargs = dict(distributed_executor_backend="external_launcher")
-        threads = torch.get_num_threads()
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm = vllm.LLM(
             model=model.config._name_or_path,
             dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -284,7 +284,10 @@ class VLLMEngine:
             skip_tokenizer_init=True,  # prompts go in as ids; texts are decoded by the trainer's tokenizer
             **dist_kwargs,
         )
-        torch.set_num_threads(threads)  # vLLM drops the process to one thread "for serving"; training wants all
+        # vLLM's CPU worker may drop the process to one thread "for serving" and then replaces
+        # torch.set_num_threads with a no-op for the whole process; training wants its threads back
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
         self.asleep = False
         self.sync_weights(model)
 
