@@ -249,8 +249,14 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
-    if batch.get("tis_w_BC") is not None:  # sampler/trainer mismatch correction (--tis, vllm backend)
-        pg_BC = pg_BC * batch["tis_w_BC"][rows].to(device)
+    sampler_stats = {}
+    if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
+        sampler_logp_BC = batch["sampler_logp_BC"][rows].to(device)
+        tis_w_BC = tis_weights(old_logp_BC, sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC
+        n_tok = mask_BC.sum().item()
+        sampler_stats = {k: v * n_tok for k, v in sampler_mismatch(old_logp_BC, sampler_logp_BC, mask_BC).items()}
+        sampler_stats["rollout/tis_weight_mean"] = (tis_w_BC * mask_BC).sum().item()
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
@@ -265,6 +271,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
             "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+            **sampler_stats,
         }
     return loss, stats
 
@@ -355,22 +362,18 @@ def main(args: Args) -> dict:
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
 
-        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly.
-        # A separate sampler (vLLM) is compared with the trainer's own log-probs every step.
+        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
+        # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
+        # compared with, so that comparison costs no extra pass.
         t0 = time.time()
-        sampler_logp_BC = rollouts.sampler_logp_BC
-        needs_old = args.num_iterations > 1 or args.num_minibatches > 1 or sampler_logp_BC is not None
+        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
         batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                      prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
+                     sampler_logp_BC=rollouts.sampler_logp_BC,
                      old_logp_BC=batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
                      if needs_old else None,
                      ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
                      if ref_model is not None else None)
-        mismatch = {}
-        if sampler_logp_BC is not None:
-            mismatch = sampler_mismatch(batch["old_logp_BC"], sampler_logp_BC, rollouts.completion_mask_BC)
-            batch["tis_w_BC"] = tis_weights(batch["old_logp_BC"], sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
-            mismatch["rollout/tis_weight_mean"] = ((batch["tis_w_BC"] * mask_BC).sum() / mask_BC.sum().clamp(min=1)).item()
         t_logp = time.time() - t0
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
@@ -417,7 +420,7 @@ def main(args: Args) -> dict:
             "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
                                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
         }
-        metrics.update(mismatch)
+        metrics.update({k: v / n_tok for k, v in sums.items() if k.startswith("rollout/")})  # vllm sampler only
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
