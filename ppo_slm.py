@@ -79,7 +79,7 @@ from common.data import load_problems
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.logger import RunLogger
 from common.models import load_model, load_tokenizer, resolve_model
-from common.rollout import batched_logprobs, finish_rollouts, left_pad, position_ids
+from common.rollout import HFEngine, batched_logprobs, left_pad, position_ids
 from common.testbed import render_testbed_prompt
 from common.verifiers import score
 
@@ -318,22 +318,11 @@ class FiniteLogits:
             -self.bound, self.bound)
 
 
-@torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], args: Args, guard: FiniteLogits, greedy=False):
-    """One completion per prompt through the logits guard (HFEngine.generate takes no logits processor)."""
-    from transformers import GenerationConfig, LogitsProcessorList
-    ids_BP, mask_BP = left_pad(prompt_ids, tokenizer.pad_token_id)
-    device = next(model.parameters()).device
-    config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else args.temperature,
-                              top_p=None if greedy else args.top_p, top_k=None if greedy else 0,
-                              max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id)
-    was_training = model.training
-    model.eval()
-    out = model.generate(input_ids=ids_BP.to(device), attention_mask=mask_BP.to(device), generation_config=config,
-                         logits_processor=LogitsProcessorList([guard]))
-    model.train(was_training)
-    return finish_rollouts(ids_BP, mask_BP, out[:, ids_BP.shape[1]:].cpu(), tokenizer)
+    """One completion per prompt, every step's logits through the guard."""
+    return HFEngine(model, tokenizer, logits_guard=guard).generate(
+        prompt_ids, n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        greedy=greedy)
 
 
 @torch.no_grad()

@@ -140,8 +140,11 @@ class HFEngine:
     itself, kept as the reference.
     """
 
-    def __init__(self, model, tokenizer, loop: bool = True, max_batch: int = 512):
+    def __init__(self, model, tokenizer, loop: bool = True, max_batch: int = 512, logits_guard=None):
         self.model, self.tokenizer, self.loop, self.max_batch = model, tokenizer, loop, max_batch
+        # optional guard(input_ids, logits) -> logits (a transformers LogitsProcessor), run on every step's
+        # logits before sampling, e.g. to make non-finite logits finite (ppo_slm.py)
+        self.logits_guard = logits_guard
 
     def sync_weights(self, model) -> None:
         """Nothing to do: generation reads the live training weights."""
@@ -194,6 +197,8 @@ class HFEngine:
         done_B = torch.zeros(len(attn_BT), dtype=torch.bool, device=attn_BT.device)
         tokens, logps = [], []
         for t in range(max_new_tokens):
+            if self.logits_guard is not None:
+                logits_BV = self.logits_guard(None, logits_BV)
             if greedy:
                 token_B = logits_BV.argmax(-1)
             else:
@@ -217,7 +222,7 @@ class HFEngine:
         return torch.stack(tokens, 1), logp_BC
 
     def _generate(self, ids_UP, mask_UP, n, temperature, top_p, max_new_tokens, greedy, return_logprobs):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
         tok = self.tokenizer
         # a fresh config so that a real model's generation_config (top_k=20, repetition
@@ -229,7 +234,8 @@ class HFEngine:
             return_dict_in_generate=True,
         )
         out = self.model.generate(input_ids=ids_UP.repeat_interleave(n, 0),
-                                  attention_mask=mask_UP.repeat_interleave(n, 0), generation_config=config)
+                                  attention_mask=mask_UP.repeat_interleave(n, 0), generation_config=config,
+                                  logits_processor=LogitsProcessorList([self.logits_guard] if self.logits_guard else []))
         comp = out.sequences[:, ids_UP.shape[1] :]
         if not return_logprobs:
             return comp, None
