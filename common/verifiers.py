@@ -17,6 +17,8 @@ import re
 import threading
 
 _TESTBED_FORMAT = re.compile(r"^-?\d+$")
+# a whole answer that is one number written with thousands separators: 1,234,567 or LaTeX's 1{,}234 and 1\,234
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?:\.\d+)?")
 
 
 def testbed_reward(completion: str, answer: str) -> float:
@@ -57,15 +59,27 @@ def extract_answer(text: str) -> str | None:
         return boxed.strip()
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip()
-        return tail.split("\n")[0].strip().rstrip(".").replace(",", "") or None
+        return strip_thousands(tail.split("\n")[0].strip().rstrip(".")) or None
     return None
 
 
+def strip_thousands(s: str) -> str:
+    """Drop the separators of a number written in digit groups of three; leave every other comma,
+    so a tuple, interval or list keeps its elements apart.
+
+    >>> strip_thousands("1,234,567"), strip_thousands("-1{,}234.5"), strip_thousands("1,2"), strip_thousands("(1,234)")
+    ('1234567', '-1234.5', '1,2', '(1,234)')
+    """
+    if _THOUSANDS.fullmatch(s):
+        return s.replace("{,}", "").replace("\\,", "").replace(",", "")
+    return s
+
+
 def _normalise(s: str) -> str:
-    s = s.strip().strip("$").replace(" ", "").replace("\\!", "").replace(",", "")
+    s = s.strip().strip("$").replace(" ", "").replace("\\!", "")
     s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
     s = s.replace("\\left", "").replace("\\right", "").replace("dfrac", "frac").replace("tfrac", "frac")
-    return s.rstrip(".")
+    return strip_thousands(s.rstrip("."))
 
 
 def _symbolic_equal(pred: str, gold: str) -> bool:

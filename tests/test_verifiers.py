@@ -56,3 +56,30 @@ def test_format_reward():
     assert format_reward("19", "testbed") == 1.0
     assert format_reward("nineteen", "testbed") == 0.0
     assert format_reward(r"so \boxed{2}", "math") == 1.0 and format_reward("2", "math") == 0.0
+
+
+# (gold, boxed prediction, reward): commas separate the elements of tuples, intervals and lists, and only
+# digit groups of three are a thousands separator
+COMMA_CASES = [
+    ("(1,2)", "(1, 2)", 1.0), ("(1,2)", "(12)", 0.0), ("(-1,2)", "(-12)", 0.0),  # tuples
+    ("[1,3)", "[1, 3)", 1.0), ("[1,3)", "[13)", 0.0), ("[1,3)", "(1,3]", 0.0),  # intervals
+    ("1,2", "12", 0.0), ("1, 2, 3", "1,2,3", 1.0), ("1,2,3", "123", 0.0),  # lists
+    ("1234567", "1,234,567", 1.0), ("1,234", "1234", 1.0), ("12345.5", "12,345.5", 1.0),  # thousands separators
+    ("1,234", "1,23,4", 0.0), ("123", "1,23", 0.0),
+    ("-5", "-5", 1.0), ("-5", "5", 0.0), ("-1,234", "-1234", 1.0), ("-1,234", "-12,34", 0.0),  # negative numbers
+    (r"\frac{\pi}{2}", r"\dfrac{\pi}{2}", 1.0), (r"\frac{1}{2},3", r"\frac{1}{2}3", 0.0),  # LaTeX-only answers
+    ("1234", r"1\,234", 1.0), ("1234", "1{,}234", 1.0), (r"\sqrt{2}", r"\sqrt2", 1.0),
+]
+
+
+def test_commas_separate_elements_and_only_digit_triples_are_thousands():
+    golds = [g for g, _, _ in COMMA_CASES]
+    preds = [rf"so \boxed{{{p}}}" for _, p, _ in COMMA_CASES]
+    got = dict(zip(COMMA_CASES, math_rewards(preds, golds)))
+    assert got == {case: case[2] for case in COMMA_CASES}
+
+
+def test_hashes_answer_keeps_list_commas_and_drops_thousands_separators():
+    assert extract_answer("#### 1,234,567.") == "1234567"
+    assert extract_answer("#### 1,2") == "1,2"
+    assert math_rewards(["#### 1,2", "#### 12"], ["12", "1,2"]) == [0.0, 0.0]
