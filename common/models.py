@@ -36,15 +36,30 @@ def load_tokenizer(name: str):
     return tok
 
 
+def disable_dropout(config, model=None) -> None:
+    """Dropout off, as TRL does: the config's *dropout* / *pdrop* rates (some attention code copies them at
+    construction, so set them before building the model) and the p of every `nn.Dropout` set to 0. Log-probs
+    are computed in train mode; dropout would make the old and new log-probs, and so the ratio, noisy."""
+    for name, value in list(vars(config).items()):
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float | int) and not isinstance(value, bool):
+            setattr(config, name, 0.0)
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
 def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
-    """A causal LM in `dtype` on `device`, in train mode."""
-    from transformers import AutoModelForCausalLM
+    """A causal LM in `dtype` on `device`, in train mode, with dropout off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        config = AutoConfig.from_pretrained(path)
+        disable_dropout(config)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"error: could not load model {name!r}: {e}") from None
+    disable_dropout(model.config, model)
     return model.to(device).train()
 
 
