@@ -1,0 +1,576 @@
+"""Run untrusted Python programs (written by the model being trained) and judge and time them.
+
+The candidate runs in a separate process that only receives inputs and returns outputs over
+a pipe; the judge (comparison with expected outputs, timing, limits) is this module, in the
+trainer's process, where the candidate cannot reach it:
+
+    trainer (judge)  --pickle frames on stdin-->  child: compile candidate, call solve(*args)
+                     <--JSON frames on a pipe---  (stdout/stderr are drained, capped, kept apart)
+
+Statuses, worst first: no_program, compile_error, runtime_error, timeout, memory_limit,
+wrong_output, correct (with a runtime in seconds).
+
+Isolation, the strongest the platform gives (`isolation()` says which one is in use):
+
+- "namespaces" (root with CAP_SYS_ADMIN, as on this project's machines): new network, pid,
+  mount, IPC and UTS namespaces (unshare(2) via ctypes); private tmpfs over /tmp, /var/tmp
+  and /dev/shm (the candidate's scratch directory is /tmp/work in that tmpfs, gone when the
+  namespace dies), a fresh /proc, then the child drops to a fresh unprivileged uid (random,
+  one per run) with no capabilities and no supplementary groups.
+- "userns" (no root, unprivileged user namespaces allowed): the same namespaces inside a
+  user namespace, then a nested user namespace so that the candidate cannot undo the mounts.
+  The process-count limit then counts all processes of the trainer's user (it is set to the
+  current count plus the limit).
+- "process" (neither works): a separate session with rlimits only; as root the child still
+  drops to a fresh uid. Its scratch directory is a mkdtemp folder removed afterwards.
+  NOT protected in this mode: network access, reading and writing world-readable/writable
+  paths (/tmp), and (when the trainer is not root) signalling the trainer's processes.
+
+Every mode: a minimal environment (no variable of the trainer's), `python -I -S` (no site
+packages, no PYTHON* variables, standard library only), rlimits on address space
+(RLIMIT_AS), CPU time, process count (RLIMIT_NPROC), file size and core dumps; a wall-clock
+limit per call and per run enforced by the judge, which kills the whole process group, the
+pid namespace (by killing its init) or, in "process" mode, every process of the sandbox uid.
+
+What the candidate cannot do: patch the clock (timing is the judge's wall clock around the
+round trip, input decoding included), patch the comparison (expected outputs never leave the
+judge; replies are parsed as plain JSON, so no candidate __eq__ ever runs in the judge),
+report success by exiting early with status 0 (the judge needs one reply per input), see
+inputs before it is called with them, or keep answers from one run to the next (a fresh
+process and scratch directory per run; timing inputs differ between repeats, so memoising
+answers inside a run does not shorten a timed call).
+
+What it does not protect against: kernel exploits or side channels; a candidate that
+computes the answers honestly but special-cases the visible inputs (that is an oracle-quality
+problem, not a sandbox one); timing noise from other load on the machine (reported, not
+removed: references are re-timed in the same interleaved rounds so that drift cancels in
+the speed-up); memory held in page cache or pipes outside RLIMIT_AS. There is no cgroup
+(total memory of a fork tree is bounded only by RLIMIT_AS x RLIMIT_NPROC).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import selectors
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+STATUSES = ("no_program", "compile_error", "runtime_error", "timeout", "memory_limit", "wrong_output", "correct")
+MAX_REPLY_BYTES = 8 << 20
+
+
+@dataclass
+class Limits:
+    """Resource limits of one sandboxed run."""
+
+    call_s: float = 2.0
+    """wall-clock seconds allowed for one call (and for compiling the program)"""
+    run_s: float = 20.0
+    """wall-clock seconds allowed for the whole run (all calls)"""
+    cpu_s: int = 20
+    """CPU seconds of the child (RLIMIT_CPU)"""
+    memory_mb: int = 256
+    """address space of each child process (RLIMIT_AS), in MiB"""
+    nproc: int = 8
+    """processes the sandbox uid may have (RLIMIT_NPROC)"""
+    output_bytes: int = 16_384
+    """stdout and stderr kept per run (the rest is read and dropped)"""
+    file_mb: int = 16
+    """largest file the candidate may write (RLIMIT_FSIZE); also the size of the private /tmp"""
+    mode: str = "auto"
+    """'auto' (strongest that works), 'namespaces', 'userns' or 'process'"""
+
+
+# The child: trusted code that runs first in the sandbox process, sets it up, then loads the
+# candidate and serves calls. Runs under `python -I -S -c`, so it imports nothing from disk
+# besides the standard library.
+CHILD_SRC = r'''
+import ctypes, json, os, pickle, resource, struct, sys
+import bisect, collections, functools, heapq, itertools, math, operator, random, re, string, array  # preloaded
+cfg = json.loads(sys.argv[1])
+sys.dont_write_bytecode = True
+rfd, wfd = 0, cfg["wfd"]
+libc = ctypes.CDLL(None, use_errno=True)
+NS = {"net": 0x40000000, "pid": 0x20000000, "mnt": 0x00020000, "ipc": 0x08000000, "uts": 0x04000000,
+      "user": 0x10000000}
+
+def die(msg):
+    os.write(2, ("sandbox setup: " + msg + "\n").encode())
+    os._exit(97)
+
+def check(rc, what):
+    if rc != 0:
+        die(what + ": " + os.strerror(ctypes.get_errno()))
+
+def send(obj):
+    data = json.dumps(obj).encode()
+    os.write(wfd, struct.pack("<I", len(data)) + data)
+
+def write_map(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+uid, mode = cfg["uid"], cfg["mode"]
+if mode in ("namespaces", "userns"):
+    flags = NS["net"] | NS["pid"] | NS["mnt"] | NS["ipc"] | NS["uts"]
+    if mode == "userns":
+        if os.geteuid() == 0:  # root testing this path: become an ordinary user first
+            os.setgroups([]); os.setgid(uid); os.setuid(uid)
+            libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: a uid change makes /proc/self root-owned
+        outer_uid, outer_gid = os.geteuid(), os.getegid()
+        check(libc.unshare(NS["user"] | flags), "unshare")
+        write_map("/proc/self/setgroups", "deny")
+        write_map("/proc/self/uid_map", "0 %d 1" % outer_uid)
+        write_map("/proc/self/gid_map", "0 %d 1" % outer_gid)
+    else:
+        check(libc.unshare(flags), "unshare")
+    child = os.fork()
+    if child:  # outside the pid namespace: tell the judge the init's pid, then wait for it
+        send({"pid": child})
+        os.close(wfd); os.close(0)
+        _, st = os.waitpid(child, 0)
+        os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))
+    os.setsid()
+    MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_NOEXEC = 16384, 1 << 18, 2, 4, 8
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    opts = ("size=%dm,mode=1777" % cfg["file_mb"]).encode()
+    for d in cfg["tmpfs"]:
+        if os.path.isdir(d):
+            check(libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "tmpfs on " + d)
+    check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+    os.mkdir("/tmp/work", 0o700)
+    if mode == "namespaces":
+        os.chown("/tmp/work", uid, uid)
+    os.chdir("/tmp/work")
+    os.environ["HOME"] = os.environ["TMPDIR"] = "/tmp/work"
+else:
+    os.chdir(cfg["scratch"])
+
+for res, val in ((resource.RLIMIT_AS, cfg["memory_mb"] << 20), (resource.RLIMIT_CPU, cfg["cpu_s"]),
+                 (resource.RLIMIT_FSIZE, cfg["file_mb"] << 20), (resource.RLIMIT_CORE, 0),
+                 (resource.RLIMIT_NPROC, cfg["nproc"]), (resource.RLIMIT_NOFILE, 64)):
+    resource.setrlimit(res, (val, val))
+if mode == "userns":  # nested user namespace: no capability over the mounts made above
+    check(libc.unshare(NS["user"]), "unshare user")
+    write_map("/proc/self/setgroups", "deny")
+    write_map("/proc/self/uid_map", "1000 0 1")
+    write_map("/proc/self/gid_map", "1000 0 1")
+elif os.geteuid() == 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+if mode == "process":
+    send({"pid": os.getpid()})
+
+def read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(rfd, n - len(buf))
+        if not chunk:
+            os._exit(0)
+        buf += chunk
+    return buf
+
+def recv():
+    return pickle.loads(read_exact(struct.unpack("<I", read_exact(4))[0]))
+
+def describe(e):
+    return (type(e).__name__ + ": " + str(e))[:300]
+
+source = recv()
+namespace = {"__name__": "__candidate__", "__builtins__": __builtins__}
+try:
+    code = compile(source, "<candidate>", "exec")
+except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as e:
+    send({"status": "compile_error", "msg": describe(e)}); os._exit(0)
+try:
+    exec(code, namespace)
+    fn = namespace[cfg["entry"]]
+    send({"status": "ready"})
+except MemoryError as e:
+    send({"status": "memory_limit", "msg": describe(e)}); os._exit(0)
+except BaseException as e:
+    send({"status": "runtime_error", "msg": describe(e)}); os._exit(0)
+del source, code
+while True:
+    args = recv()
+    try:
+        out = json.dumps({"status": "ok", "value": fn(*args)})
+    except MemoryError as e:
+        out = json.dumps({"status": "memory_limit", "msg": describe(e)})
+    except RecursionError as e:
+        out = json.dumps({"status": "runtime_error", "msg": describe(e)})
+    except BaseException as e:
+        out = json.dumps({"status": "runtime_error", "msg": describe(e)})
+    data = out.encode()
+    os.write(wfd, struct.pack("<I", len(data)) + data)
+'''
+
+
+@dataclass
+class Proc:
+    """One live sandboxed child."""
+
+    popen: subprocess.Popen
+    rfd: int
+    wfd: int
+    uid: int
+    mode: str
+    scratch: str
+    deadline: float
+    inner_pid: int = 0
+    out: dict = field(default_factory=lambda: {"stdout": b"", "stderr": b""})
+    run_s: float = 0.0
+    buf: bytes = b""
+    eof: set = field(default_factory=set)
+
+
+_ISOLATION: dict = {}
+
+
+def _fresh_uid() -> int:
+    """A uid of its own for each run (so RLIMIT_NPROC and the final sweep concern that run only);
+    `nobody` where this machine's user namespace does not map high uids."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            top = max(int(a) + int(n) for _, a, n in (line.split() for line in f))
+    except (OSError, ValueError):
+        top = 0
+    return random.SystemRandom().randrange(200_000, 2_000_000) if top > 2_000_000 else 65534
+
+
+def start(source: str, limits: Limits, entry: str = "solve") -> tuple[Proc, dict]:
+    """Start a child, send it the program, and return it with its first reply (ready or a failure)."""
+    mode = isolation() if limits.mode == "auto" else limits.mode
+    return _start(source, limits, entry, mode)
+
+
+def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, dict]:
+    uid = _fresh_uid() if os.geteuid() == 0 else os.geteuid()
+    scratch = ""
+    if mode == "process":
+        scratch = tempfile.mkdtemp(prefix="tinypost-sandbox-")
+        if os.geteuid() == 0:
+            os.chown(scratch, uid, uid)
+    nproc = limits.nproc
+    if os.geteuid() != 0:  # RLIMIT_NPROC counts every process of this user
+        nproc += _count_processes(os.geteuid())
+    tmpfs = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if not sys.base_prefix.startswith(d + "/")]
+    r_fd, w_fd = os.pipe()
+    cfg = dict(wfd=w_fd, uid=uid, mode=mode, scratch=scratch, memory_mb=limits.memory_mb, cpu_s=limits.cpu_s,
+               file_mb=limits.file_mb, nproc=nproc, entry=entry, tmpfs=tmpfs)
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch or "/", "TMPDIR": scratch or "/tmp"}
+    popen = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHILD_SRC, json.dumps(cfg)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(w_fd,), env=env,
+                             cwd=scratch or "/", start_new_session=True, close_fds=True)
+    os.close(w_fd)
+    for f in (popen.stdin, popen.stdout, popen.stderr):
+        os.set_blocking(f.fileno(), False)
+    p = Proc(popen, r_fd, popen.stdin.fileno(), uid, mode, scratch, time.monotonic() + limits.run_s, run_s=limits.run_s)
+    first = _reply(p, limits, limits.call_s)
+    if "pid" in first:  # the pid to kill (the namespace's init), then the program's verdict
+        p.inner_pid = int(first["pid"])
+        try:
+            sent = _send(p, source, limits.call_s)
+        except OSError:
+            sent = True  # the child is gone; _reply says why
+        first = _reply(p, limits, limits.call_s) if sent else _timed_out(p, limits.call_s)
+    return p, first
+
+
+def _count_processes(uid: int) -> int:
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                n += os.stat(f"/proc/{pid}").st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def _send(p: Proc, obj, timeout: float) -> bool:
+    """Write one frame without ever blocking past the deadline (a child that stops reading cannot hang us)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(struct.pack("<I", len(data)) + data)
+    deadline = min(time.monotonic() + timeout, p.deadline)
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.wfd, selectors.EVENT_WRITE)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return False
+            try:
+                view = view[os.write(p.wfd, view):]
+            except BlockingIOError:
+                continue
+    return True
+
+
+def _reply(p: Proc, limits: Limits, timeout: float) -> dict:
+    """Wait for one reply frame, draining stdout/stderr; a dict with 'status' (or 'pid'), never raises."""
+    deadline = min(time.monotonic() + timeout, p.deadline)
+    sel = selectors.DefaultSelector()
+    sel.register(p.rfd, selectors.EVENT_READ, "reply")
+    for name, f in (("stdout", p.popen.stdout), ("stderr", p.popen.stderr)):
+        if not f.closed and name not in p.eof:
+            sel.register(f.fileno(), selectors.EVENT_READ, name)
+    try:
+        while True:
+            if len(p.buf) >= 4:
+                n = struct.unpack("<I", p.buf[:4])[0]
+                if n > MAX_REPLY_BYTES:
+                    return {"status": "wrong_output", "msg": f"reply of {n} bytes is over the limit"}
+                if len(p.buf) >= 4 + n:
+                    frame, p.buf = p.buf[4 : 4 + n], p.buf[4 + n :]
+                    try:
+                        reply = json.loads(frame)
+                    except (ValueError, RecursionError):
+                        return {"status": "wrong_output", "msg": "reply is not JSON"}
+                    if not isinstance(reply, dict) or not ("status" in reply or "pid" in reply):
+                        return {"status": "wrong_output", "msg": "malformed reply"}
+                    if "pid" in reply and not isinstance(reply["pid"], int):
+                        return {"status": "wrong_output", "msg": "malformed reply"}
+                    return reply
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return _timed_out(p, timeout)
+            for key, _ in sel.select(left):
+                try:
+                    chunk = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if key.data == "reply":
+                    if not chunk:
+                        return _died(p, limits)
+                    p.buf += chunk
+                elif not chunk:
+                    sel.unregister(key.fd)
+                    p.eof.add(key.data)
+                else:
+                    kept = p.out[key.data]
+                    p.out[key.data] = kept + chunk[: max(0, limits.output_bytes - len(kept))]
+    finally:
+        sel.close()
+
+
+def _timed_out(p: Proc, timeout: float) -> dict:
+    kill(p)
+    return {"status": "timeout", "msg": f"no reply within {timeout:.3g} s (or the run's {p.run_s:.3g} s)"}
+
+
+def _died(p: Proc, limits: Limits) -> dict:
+    """The child closed its reply pipe: classify why (it cannot claim success this way)."""
+    try:
+        rc = p.popen.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        rc = None
+    kill(p)
+    err = p.out["stderr"].decode(errors="replace")
+    if rc == 97 or "sandbox setup:" in err:
+        return {"status": "sandbox_error", "msg": err.strip()[-500:]}
+    if "MemoryError" in err:
+        return {"status": "memory_limit", "msg": "MemoryError"}
+    if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        return {"status": "timeout", "msg": "CPU time limit"}
+    return {"status": "runtime_error", "msg": f"the program exited (code {rc}) before replying"}
+
+
+def call(p: Proc, args: tuple, limits: Limits) -> tuple[dict, float]:
+    """Call the candidate's entry point on `args`; the reply and the round-trip wall time in seconds."""
+    t0 = time.perf_counter()
+    try:
+        if not _send(p, tuple(args), limits.call_s):
+            return _timed_out(p, limits.call_s), time.perf_counter() - t0
+    except OSError:
+        return _died(p, limits), 0.0
+    reply = _reply(p, limits, limits.call_s)
+    return reply, time.perf_counter() - t0
+
+
+def kill(p: Proc) -> None:
+    """Kill everything the child started, reap it, close the pipes; idempotent."""
+    if p.popen.poll() is None and p.inner_pid and p.mode != "process":
+        try:  # the init of the pid namespace: when it dies, the kernel kills every process inside
+            os.kill(p.inner_pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(p.popen.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    p.popen.wait()
+    if p.mode == "process" and os.geteuid() == 0:
+        _kill_uid(p.uid)
+    for fd in (p.rfd,):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    for f in (p.popen.stdin, p.popen.stdout, p.popen.stderr):
+        try:
+            f.close()
+        except OSError:
+            pass
+    if p.scratch:
+        shutil.rmtree(p.scratch, ignore_errors=True)
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of the (fresh, per-run) sandbox uid until none is left."""
+    for _ in range(50):
+        found = False
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # dead, waiting to be reaped
+                            continue
+                    os.kill(int(pid), signal.SIGKILL)
+                    found = True
+            except OSError:
+                pass
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+def isolation() -> str:
+    """The strongest isolation mode that works here ('namespaces', 'userns' or 'process'), probed once."""
+    if "mode" not in _ISOLATION:
+        for mode in ("namespaces", "userns", "process"):
+            if mode == "namespaces" and os.geteuid() != 0:
+                continue
+            try:
+                p, first = _start("def solve():\n    return 1\n", Limits(call_s=10.0), "solve", mode)
+                reply, _ = call(p, (), Limits(call_s=10.0)) if first.get("status") == "ready" else (first, 0.0)
+                kill(p)
+            except OSError:
+                continue
+            if reply.get("value") == 1:
+                _ISOLATION["mode"] = mode
+                break
+        else:
+            raise RuntimeError("the sandbox cannot start a Python child here")
+    return _ISOLATION["mode"]
+
+
+def canonical(value):
+    """`value` as the judge sees a reply: through JSON (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+@dataclass
+class Verdict:
+    """The judge's verdict on one program."""
+
+    status: str
+    message: str = ""
+    runtime: float | None = None
+    """median timed call in seconds (correct programs that were timed)"""
+    times: list = field(default_factory=list)
+    """every timed call, in seconds"""
+    stdout: str = ""
+    stderr: str = ""
+
+
+def run_program(source: str | None, tests: list, expected: list, limits: Limits, timing: list = (),
+                timing_expected: list = (), entry: str = "solve") -> Verdict:
+    """Judge one program on `tests` (args tuples) against `expected`, then time it once on each `timing` input.
+
+    Every timing output is checked too. Use `measure` to time several programs against references.
+    """
+    verdicts = measure([source], tests, expected, timing, timing_expected, limits, repeats=1 if timing else 0,
+                       entry=entry)
+    return verdicts[0]
+
+
+def _fail(p: Proc | None, status: str, msg: str) -> Verdict:
+    v = Verdict(status, msg)
+    if p is not None:
+        kill(p)
+        v.stdout, v.stderr = (p.out[k].decode(errors="replace") for k in ("stdout", "stderr"))
+    return v
+
+
+def _check_reply(reply: dict, want) -> tuple[str, str]:
+    if reply.get("status") == "sandbox_error":
+        raise RuntimeError(f"sandbox could not start: {reply.get('msg')}")
+    if reply.get("status") != "ok":
+        status = reply.get("status")
+        return (status if status in STATUSES[1:5] else "runtime_error"), str(reply.get("msg", ""))[:300]
+    if reply.get("value") != want:
+        return "wrong_output", f"got {str(reply.get('value'))[:80]}, expected {str(want)[:80]}"
+    return "ok", ""
+
+
+def measure(sources: list, tests: list, expected: list, timing: list, timing_expected: list, limits: Limits,
+            repeats: int = 3, entry: str = "solve") -> list[Verdict]:
+    """Judge several programs and time the correct ones in the same interleaved measurement.
+
+    Each program runs in its own sandbox: the correctness tests first (they double as warm-up),
+    then one warm-up call on timing[0], then `repeats` rounds; round r times every surviving
+    program once on timing[1 + (r % (len(timing) - 1))] (distinct inputs per round defeat
+    answer caches), in a shuffled order. A program's runtime is the median of its rounds.
+    Pass the slow and fast references among `sources` so that they are re-timed in the same rounds.
+    """
+    expected = [canonical(e) for e in expected]
+    timing_expected = [canonical(e) for e in timing_expected]
+    verdicts: list = [None] * len(sources)
+    procs: dict = {}
+    try:
+        for i, source in enumerate(sources):
+            if not source or not source.strip():
+                verdicts[i] = Verdict("no_program", "no program found in the completion")
+                continue
+            p, first = start(source, limits, entry)
+            if first.get("status") != "ready":
+                status, msg = _check_reply(first, None)
+                verdicts[i] = _fail(p, status, msg)
+                continue
+            for args, want in zip(tests, expected):
+                status, msg = _check_reply(call(p, args, limits)[0], want)
+                if status != "ok":
+                    verdicts[i] = _fail(p, status, msg)
+                    break
+            else:
+                procs[i] = p
+        if repeats and timing:
+            order_rng = random.Random(len(sources))
+            for r in range(repeats + 1):  # round 0 is the warm-up
+                k = 0 if r == 0 else 1 + (r - 1) % max(len(timing) - 1, 1)
+                order = list(procs)
+                order_rng.shuffle(order)
+                for i in order:
+                    reply, seconds = call(procs[i], timing[k], limits)
+                    status, msg = _check_reply(reply, timing_expected[k])
+                    if status != "ok":
+                        verdicts[i] = _fail(procs.pop(i), status, msg)
+                    elif r > 0:
+                        verdicts[i] = verdicts[i] or Verdict("correct")
+                        verdicts[i].times.append(seconds)
+        for i, p in procs.items():
+            v = verdicts[i] or Verdict("correct")
+            if v.times:
+                v.runtime = statistics.median(v.times)
+            kill(p)
+            v.stdout, v.stderr = (p.out[k].decode(errors="replace") for k in ("stdout", "stderr"))
+            verdicts[i] = v
+        procs = {}
+    finally:
+        for p in procs.values():
+            kill(p)
+    return verdicts
+
+
+def noise(times: list) -> float:
+    """Relative spread of repeated timings of one program: (max - min) / median (0 for one timing)."""
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
