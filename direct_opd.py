@@ -277,15 +277,15 @@ def build_teacher_post(args: Args, world: int) -> str:
 # ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient
 def completion_logp_BCV(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float, vocab: int):
     """Log-softmax over the shared vocabulary at every completion position: row t predicts completion token t.
-    Only the last C+1 hidden states go through the LM head; padded embedding rows beyond `vocab` are dropped
-    after normalisation (they are never sampled by a trained model, and the teachers may lack them)."""
+    Only the last C+1 hidden states go through the LM head; padded LM-head rows beyond `vocab` are dropped
+    before normalisation, as the sampler masks them (common.rollout.mask_padded_vocab), and the teachers may lack them."""
     # Deliberately the plain full forward, not common.rollout.completion_logits (which shares the prompt across a
     # group): that path rounds differently with and without grad (~1e-7), and the identical-teacher control needs
     # the no-grad reference and the trained student to agree bit for bit, or Adam blows the noise up into steps.
     C = input_ids_BT.shape[1] - prompt_len
     out = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids(attention_mask_BT),
                 logits_to_keep=C + 1, use_cache=False)
-    return F.log_softmax(out.logits[:, :-1].float() / temperature, -1)[..., :vocab]
+    return F.log_softmax(out.logits[:, :-1, :vocab].float() / temperature, -1)
 
 
 @torch.no_grad()

@@ -118,6 +118,18 @@ def process_logits(logits_BV: torch.Tensor, temperature: float, top_p: float) ->
     return logits_BV
 
 
+def mask_padded_vocab(logits_BV: torch.Tensor, vocab: int) -> torch.Tensor:
+    """-inf on the LM-head rows past the tokenizer's `vocab` entries, so they are never sampled. Real models pad
+    the head (Qwen2.5: 151936 rows for 151665 tokens); the trainers score the same `vocab` entries.
+
+    >>> mask_padded_vocab(torch.zeros(1, 4), 3)
+    tensor([[0., 0., 0., -inf]])
+    """
+    if logits_BV.shape[-1] <= vocab:
+        return logits_BV
+    return F.pad(logits_BV[..., :vocab], (0, logits_BV.shape[-1] - vocab), value=float("-inf"))
+
+
 def expand_cache(cache, counts_U: torch.Tensor) -> bool:
     """Repeat each row of a KV cache counts_U[u] times (rows stay grouped); False if the cache type
     has no plain per-layer keys/values (then callers fall back to computing every row)."""
@@ -196,9 +208,11 @@ class HFEngine:
         next_pos_B = attn_BT.sum(1)
         done_B = torch.zeros(len(attn_BT), dtype=torch.bool, device=attn_BT.device)
         tokens, logps = [], []
+        vocab = len(tok)  # the LM head may have more rows (padding); those are never sampled
         for t in range(max_new_tokens):
             if self.logits_guard is not None:
                 logits_BV = self.logits_guard(None, logits_BV)
+            logits_BV = mask_padded_vocab(logits_BV, vocab)
             if greedy:
                 token_B = logits_BV.argmax(-1)
             else:
@@ -233,9 +247,12 @@ class HFEngine:
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, output_scores=return_logprobs,
             return_dict_in_generate=True,
         )
+        # custom processors run before temperature and top-p: the guard, then the padded head rows to -inf
+        processors, vocab = [self.logits_guard] if self.logits_guard else [], len(tok)
+        processors.append(lambda input_ids, scores: mask_padded_vocab(scores, vocab))
         out = self.model.generate(input_ids=ids_UP.repeat_interleave(n, 0),
                                   attention_mask=mask_UP.repeat_interleave(n, 0), generation_config=config,
-                                  logits_processor=LogitsProcessorList([self.logits_guard] if self.logits_guard else []))
+                                  logits_processor=LogitsProcessorList(processors))
         comp = out.sequences[:, ids_UP.shape[1] :]
         if not return_logprobs:
             return comp, None

@@ -164,3 +164,76 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.75 <= 0.5 + 0.3
     assert process_logits(logits, 1.0, 0.5).isfinite().tolist() == [[True, False, False, False]]
     assert process_logits(logits, 2.0, 1.0).isfinite().all()
+
+
+@pytest.fixture(scope="module")
+def wide_head_model_dir(tmp_path_factory):
+    """A tiny Qwen2 whose LM head has 64 rows more than its tokenizer (as Qwen2.5's does), with the padded rows
+    biased to win: one residual dimension is held at +100 (embeddings only, no layer writes it), and only the
+    padded rows read it, so they carry nearly all the probability mass unless masked."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from common.testbed import build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("wide_head"))
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok) + 64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[len(tok):, 0] = 1.0
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "generate"])
+def test_padded_lm_head_rows_are_never_sampled(wide_head_model_dir, loop):
+    from common.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
+    prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
+    ids_BT, mask_BT = left_pad(prompts, tok.pad_token_id)
+    with torch.no_grad():
+        logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT).logits
+    assert (logits_BTV[..., len(tok):].logsumexp(-1) - logits_BTV[..., : len(tok)].logsumexp(-1) > 5).all()
+
+    engine = HFEngine(model, tok, loop=loop)
+    sampled = engine.generate(prompts, n=8, temperature=1.0, max_new_tokens=6, return_logprobs=True)
+    greedy = engine.generate(prompts, n=1, greedy=True, max_new_tokens=6)
+    for ro in (sampled, greedy):
+        assert ro.completion_ids_BC.max().item() < len(tok)
+    assert torch.isfinite(sampled.sampler_logp_BC).all()
+
+
+def test_direct_opd_scores_the_sampled_vocabulary(wide_head_model_dir):
+    """direct_opd normalises over the tokenizer's entries, the distribution the sampler drew from, and its loss
+    path runs on a model whose LM head is wider than the tokenizer."""
+    import tyro
+
+    import direct_opd
+    from common.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
+    prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
+    ro = HFEngine(model, tok).generate(prompts, n=2, max_new_tokens=6, return_logprobs=True)
+    vocab, mask_BC = len(tok), ro.completion_mask_BC
+    batch = dict(input_ids_BT=ro.input_ids_BT, attention_mask_BT=ro.attention_mask_BT, prompt_len=ro.prompt_len,
+                 mask_BC=mask_BC, vocab=vocab)
+    old_logp_BC, topk_ids_BCK, old_logp_BCK, mass_BC = direct_opd.batched_support_logprobs(model, batch, 1.0, 4, vocab,
+                                                                                           k=4)
+    assert torch.allclose(old_logp_BC * mask_BC, ro.sampler_logp_BC, atol=1e-4)
+    assert (topk_ids_BCK < vocab).all() and (mass_BC <= 1 + 1e-5).all()
+    args = tyro.cli(direct_opd.Args, args=["--top-k", "4"])
+    batch.update(topk_ids_BCK=topk_ids_BCK, old_logp_BCK=old_logp_BCK, old_logp_BC=old_logp_BC,
+                 ref_logp_BC=old_logp_BC, adv_BCK=torch.randn_like(old_logp_BCK) * mask_BC[..., None])
+    loss, _ = direct_opd.micro_batch_loss(model, batch, torch.arange(4), args, {"tokens": mask_BC.sum().item()}, 1.0)
+    loss.backward()
+    assert torch.isfinite(loss) and model.lm_head.weight.grad is not None
