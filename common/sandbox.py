@@ -507,7 +507,7 @@ def _check_reply(reply: dict, want) -> tuple[str, str]:
     if reply.get("status") != "ok":
         status = reply.get("status")
         return (status if status in STATUSES[1:5] else "runtime_error"), str(reply.get("msg", ""))[:300]
-    if reply.get("value") != want:
+    if json.dumps(reply.get("value"), sort_keys=True) != json.dumps(want, sort_keys=True):  # 45.0 != 45, True != 1
         return "wrong_output", f"got {str(reply.get('value'))[:80]}, expected {str(want)[:80]}"
     return "ok", ""
 

@@ -1,0 +1,319 @@
+"""Code-optimisation tasks for RLPF: embedded tasks, a JSONL loader, program extraction, judging,
+and the embedded default policy `testbed-code`.
+
+A task is a statement, a function signature, hidden correctness tests (argument tuples), timing
+inputs (large enough that the slow baseline and the fast reference differ far beyond timing
+noise; the first is the warm-up), a slow baseline and a fast reference. Expected outputs are
+the fast reference's, computed in the sandbox (a reference from a JSONL file is not trusted
+more than a candidate).
+
+    sum_range        solve(n) = sum(range(n))                     loop vs n(n-1)/2
+    sum_squares      solve(n) = sum(i*i for i in range(n))         loop vs closed form
+    count_multiples  solve(n, k) = #{0 <= i < n : k | i}           loop vs ceil(n/k)
+    has_duplicate    solve(xs) = whether a value repeats            O(n^2) scans vs a set
+    count_common     solve(xs, ys) = #{x in xs : x occurs in ys}    list membership vs a set
+
+JSONL format, one task per line: {"name", "statement", "signature", "tests": [[args...], ...],
+"timing": [[args...], ...] (at least 2: warm-up + timed), "slow": source, "fast": source},
+optional "entry" (default "solve").
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+
+from common import sandbox
+
+
+@dataclass
+class CodeTask:
+    name: str
+    statement: str
+    signature: str
+    tests: list
+    """hidden correctness inputs: argument tuples"""
+    timing: list
+    """timing inputs: timing[0] is the warm-up, the rest are timed in turn"""
+    slow: str
+    """slow baseline program (T_b)"""
+    fast: str
+    """expert/fast reference program (T_r); its outputs are the expected ones"""
+    entry: str = "solve"
+    broken: tuple = ()
+    """wrong, crashing or non-compiling programs (warm-start mix of the embedded model only)"""
+
+
+def _distinct(seed: int, n: int) -> list:
+    return random.Random(seed).sample(range(10**6), n)
+
+
+def _lists(seed: int, n: int) -> tuple:
+    rng = random.Random(seed)
+    return [rng.randrange(4 * n) for _ in range(n)], [rng.randrange(4 * n) for _ in range(n)]
+
+
+TASKS = {t.name: t for t in [
+    CodeTask(
+        "sum_range", "Return the sum of all integers from 0 to n - 1 (n >= 0).", "def solve(n: int) -> int",
+        tests=[(0,), (1,), (2,), (10,), (7,), (1000,), (12345,)],
+        timing=[(400_000,), (400_001,), (400_002,), (400_003,)],
+        slow="def solve(n):\n t = 0\n for i in range(n):\n  t += i\n return t\n",
+        fast="def solve(n):\n return n * (n - 1) // 2\n",
+        broken=("def solve(n):\n return n * (n + 1) // 2\n", "def solve(n):\n return sum(range(n)\n",
+                "def solve(n):\n return m * (n - 1) // 2\n", "def solve(n):\n return n * (n - 1) / 2\n")),
+    CodeTask(
+        "sum_squares", "Return the sum of i * i for i from 0 to n - 1 (n >= 0).", "def solve(n: int) -> int",
+        tests=[(0,), (1,), (2,), (3,), (10,), (999,)],
+        timing=[(300_000,), (300_001,), (300_002,), (300_003,)],
+        slow="def solve(n):\n t = 0\n for i in range(n):\n  t += i * i\n return t\n",
+        fast="def solve(n):\n return (n - 1) * n * (2 * n - 1) // 6\n",
+        broken=("def solve(n):\n return n * (n + 1) * (2 * n + 1) // 6\n", "def solve(n):\n return sum(i * i for i in n)\n",
+                "def solve(n)\n return n * n\n")),
+    CodeTask(
+        "count_multiples", "Return how many i in 0..n-1 are divisible by k (n >= 0, k >= 1).",
+        "def solve(n: int, k: int) -> int",
+        tests=[(0, 1), (1, 1), (10, 3), (9, 3), (100, 7), (5, 10), (12, 12), (13, 12)],
+        timing=[(400_000, 3), (400_001, 7), (400_002, 5), (400_003, 11)],
+        slow="def solve(n, k):\n c = 0\n for i in range(n):\n  if i % k == 0:\n   c += 1\n return c\n",
+        fast="def solve(n, k):\n return (n + k - 1) // k\n",
+        broken=("def solve(n, k):\n return n // k\n", "def solve(n, k):\n return (n + k - 1) // j\n",
+                "def solve(n, k):\n return (n + k - 1 // k\n")),
+    CodeTask(
+        "has_duplicate", "Return True if some value occurs twice in the list xs, else False.",
+        "def solve(xs: list[int]) -> bool",
+        tests=[([],), ([1],), ([1, 1],), ([1, 2, 3],), ([3, 1, 2, 3],), ([5, 4, 3, 2, 1, 0, 9, 0],),
+               (list(range(50)),)],
+        timing=[(_distinct(s, 2000),) for s in range(4)],
+        slow="def solve(xs):\n for i in range(len(xs)):\n  if xs[i] in xs[:i]:\n   return True\n return False\n",
+        fast="def solve(xs):\n return len(set(xs)) < len(xs)\n",
+        broken=("def solve(xs):\n return len(set(xs)) > len(xs)\n", "def solve(xs):\n return len(set(xs) < len(xs)\n",
+                "def solve(xs):\n return xs[0] in xs[1:]\n")),
+    CodeTask(
+        "count_common", "Return how many elements of xs also occur in ys.",
+        "def solve(xs: list[int], ys: list[int]) -> int",
+        tests=[([], []), ([1], []), ([], [1]), ([1, 2, 3], [3, 2]), ([1, 1, 2], [1]), ([4, 5], [6, 7]),
+               (list(range(30)), list(range(15, 60)))],
+        timing=[_lists(s, 2000) for s in range(4)],
+        slow="def solve(xs, ys):\n c = 0\n for x in xs:\n  if x in ys:\n   c += 1\n return c\n",
+        fast="def solve(xs, ys):\n s = set(ys)\n return sum(x in s for x in xs)\n",
+        broken=("def solve(xs, ys):\n return len(set(xs) & set(ys))\n", "def solve(xs, ys):\n s = set(ys)\n return sum(x in s for x in xs\n",
+                "def solve(xs, ys):\n return sum(x in s for x in xs)\n")),
+]}
+
+
+def fail(message: str) -> None:
+    raise SystemExit(f"error: {message}")
+
+
+def load_tasks(path: str) -> dict:
+    """Tasks from a JSONL file (format in the module docstring); stops with a one-line error on a bad file."""
+    if not os.path.exists(path):
+        fail(f"task file {path!r} does not exist")
+    tasks = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{where} is not valid JSON ({e.msg})")
+            if not isinstance(row, dict):
+                fail(f"{where}: expected a JSON object, got {type(row).__name__}")
+            for key, kind in (("name", str), ("statement", str), ("signature", str), ("slow", str), ("fast", str),
+                              ("tests", list), ("timing", list)):
+                if key not in row:
+                    fail(f"{where}: missing field {key!r} (fields: {sorted(row)})")
+                if not isinstance(row[key], kind):
+                    fail(f"{where}: field {key!r} should be a {kind.__name__}, got {type(row[key]).__name__}")
+            for key in ("tests", "timing"):
+                if not all(isinstance(a, list) for a in row[key]):
+                    fail(f"{where}: every entry of {key!r} must be a list of arguments")
+            if not row["tests"]:
+                fail(f"{where}: 'tests' is empty")
+            if len(row["timing"]) < 2:
+                fail(f"{where}: 'timing' needs at least 2 inputs (a warm-up and a timed one)")
+            if row["name"] in tasks:
+                fail(f"{where}: task name {row['name']!r} appears twice")
+            tasks[row["name"]] = CodeTask(row["name"], row["statement"], row["signature"],
+                                          [tuple(a) for a in row["tests"]], [tuple(a) for a in row["timing"]],
+                                          row["slow"], row["fast"], row.get("entry", "solve"))
+    if not tasks:
+        fail(f"{path}: no tasks in the file")
+    return tasks
+
+
+FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+def extract_program(completion: str, entry: str = "solve") -> str | None:
+    """The program in a model completion: the first ```python fenced block that mentions `entry`
+    (else the first block), or the raw text; None when there is no program (empty, or no `entry`).
+
+    >>> extract_program("Here:\\n```python\\ndef solve(n):\\n    return n\\n```\\nDone.")
+    'def solve(n):\\n    return n\\n'
+    >>> extract_program("def solve(n):\\n return 1\\n"), extract_program("I do not know."), extract_program("")
+    ('def solve(n):\\n return 1\\n', None, None)
+    """
+    blocks = FENCE.findall(completion)
+    if blocks:
+        text = next((b for b in blocks if entry in b), blocks[0])
+    else:
+        text = completion
+    if not text.strip() or entry not in text:
+        return None
+    return text
+
+
+def render_code_prompt(task: CodeTask, chat: bool = False) -> str:
+    """The prompt text. The embedded model is trained on the compact form; a chat model gets an instruction."""
+    if chat:
+        return (f"{task.statement}\nWrite a fast Python function `{task.signature}`. Reply with the program only, "
+                f"in one ```python block.")
+    return f"# {task.statement}\n"
+
+
+@functools.lru_cache(maxsize=64)
+def _reference_outputs(name: str, fast: str, inputs_json: str, entry: str) -> str:
+    inputs = [tuple(a) for a in json.loads(inputs_json)]
+    limits = sandbox.Limits(call_s=30.0, run_s=300.0, cpu_s=300)
+    proc, first = sandbox.start(fast, limits, entry)
+    try:
+        if first.get("status") != "ready":
+            fail(f"task {name!r}: the fast reference does not load ({first.get('status')}: {first.get('msg')})")
+        outs = []
+        for args in inputs:
+            reply, _ = sandbox.call(proc, args, limits)
+            if reply.get("status") != "ok":
+                fail(f"task {name!r}: the fast reference fails on an input ({reply.get('status')}: {reply.get('msg')})")
+            outs.append(reply["value"])
+    finally:
+        sandbox.kill(proc)
+    return json.dumps(outs)
+
+
+def expected_outputs(task: CodeTask) -> tuple[list, list]:
+    """(test outputs, timing outputs) of the fast reference, computed once per task in the sandbox."""
+    inputs = list(task.tests) + list(task.timing)
+    outs = json.loads(_reference_outputs(task.name, task.fast, json.dumps(inputs), task.entry))
+    return outs[: len(task.tests)], outs[len(task.tests) :]
+
+
+def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, repeats: int = 3) -> dict:
+    """Verdicts for `programs` (sources or None) with the slow and fast references timed in the same rounds.
+
+    Returns {"verdicts": [...], "slow": Verdict, "fast": Verdict} where each correct verdict has a
+    median runtime; identical programs are judged once.
+    """
+    limits = limits or sandbox.Limits()
+    tests_out, timing_out = expected_outputs(task)
+    unique = list(dict.fromkeys(p for p in programs if p))
+    verdicts = sandbox.measure(unique + [task.slow, task.fast], task.tests, tests_out, task.timing, timing_out,
+                               limits, repeats=repeats, entry=task.entry)
+    by_source = dict(zip(unique, verdicts))
+    no_program = sandbox.Verdict("no_program", "no program found in the completion")
+    slow, fast = verdicts[-2], verdicts[-1]
+    if slow.status != "correct" or fast.status != "correct":
+        raise RuntimeError(f"task {task.name!r}: a reference failed ({slow.status}: {slow.message}; "
+                           f"{fast.status}: {fast.message}); raise the limits or check the task")
+    return {"verdicts": [by_source[p] if p else no_program for p in programs], "slow": slow, "fast": fast}
+
+
+# ----------------------------------------------------------------------------------------
+# The embedded policy: a tiny byte-level Qwen2 warm-started on slow, fast and broken programs
+# ----------------------------------------------------------------------------------------
+
+CODE_MODEL = "testbed-code"
+CODE_RECIPE = dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=200, lr=3e-3, batch=32, v=1,
+                   mix=dict(slow=0.55, fast=0.15, broken=0.30))
+"""Warm-start mix: mostly slow-correct programs, a few fast ones, some broken: RL has something to shift."""
+
+
+def code_recipe_hash() -> str:
+    progs = {n: [t.slow, t.fast, *t.broken, t.statement] for n, t in TASKS.items()}
+    blob = json.dumps(dict(recipe=CODE_RECIPE, programs=progs), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def code_model_dir() -> str:
+    from common.testbed import cache_root
+
+    return os.path.join(cache_root(), f"{CODE_MODEL}-{code_recipe_hash()}")
+
+
+def sft_program(rng: random.Random, task: CodeTask) -> str:
+    mix = CODE_RECIPE["mix"]
+    kind = rng.choices(list(mix), weights=list(mix.values()))[0]
+    return {"slow": task.slow, "fast": task.fast}.get(kind) or rng.choice(task.broken)
+
+
+def ensure_code_model(progress: bool = True) -> str:
+    """The folder of the warm-started `testbed-code` model, built once (about a minute on 2 cores) and cached."""
+    path = code_model_dir()
+    done = os.path.join(path, "TESTBED_DONE.json")
+    if os.path.exists(done) and os.path.getsize(os.path.join(path, "model.safetensors")) > 0:
+        return path
+    import torch
+    from tqdm import tqdm
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from common.testbed import build_tokenizer, cache_root
+
+    print(f"[testbed] building {CODE_MODEL} into {path} (once; cached afterwards)")
+    r = CODE_RECIPE
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=r["hidden"], num_hidden_layers=r["layers"], num_attention_heads=r["heads"],
+        num_key_value_heads=r["heads"], intermediate_size=r["intermediate"], max_position_embeddings=512,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                               do_sample=False)
+    rng = random.Random(0)
+    tasks = list(TASKS.values())
+    opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], weight_decay=0.01, betas=(0.9, 0.98))
+    steps, warmup = r["sft_steps"], 20
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
+        1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / (steps - warmup))))))
+    model.train()
+    for _ in tqdm(range(steps), desc=f"warm-starting {CODE_MODEL}", disable=not progress, leave=False):
+        batch = [rng.choice(tasks) for _ in range(r["batch"])]
+        prompts = tok([render_code_prompt(t) for t in batch], add_special_tokens=False)["input_ids"]
+        comps = tok([sft_program(rng, t) for t in batch], add_special_tokens=False)["input_ids"]
+        seqs = [a + b + [tok.eos_token_id] for a, b in zip(prompts, comps)]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), tok.pad_token_id)
+        labels = torch.full((len(seqs), width), -100)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, (s, a) in enumerate(zip(seqs, prompts)):
+            ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
+            labels[i, len(a) : len(s)] = torch.tensor(s[len(a) :])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
+        json.dump(dict(name=CODE_MODEL, recipe_hash=code_recipe_hash(), recipe=CODE_RECIPE, final_loss=loss.item()), f)
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
