@@ -98,6 +98,8 @@ CHILD_SRC = r'''
 import ctypes, json, os, pickle, resource, struct, sys
 import bisect, collections, functools, heapq, itertools, math, operator, random, re, string, array  # preloaded
 cfg = json.loads(sys.argv[1])
+if cfg["mode"] != "namespaces":  # the standard library may be out of the sandbox uid's reach: preload the usual
+    import signal, socket, subprocess, time, decimal, fractions, statistics, copy, typing, dataclasses, encodings.idna
 sys.dont_write_bytecode = True
 rfd, wfd = 0, cfg["wfd"]
 libc = ctypes.CDLL(None, use_errno=True)
@@ -148,6 +150,20 @@ if mode in ("namespaces", "userns"):
         if os.path.isdir(d):
             check(libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "tmpfs on " + d)
     check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+    # the standard library may sit under a directory the sandbox uid cannot enter (/root/.pyenv):
+    # expose it read-only at a path it can reach
+    MS_BIND, MS_REMOUNT, MS_RDONLY = 4096, 32, 1
+    for i, src in enumerate(list(sys.path)):
+        dst = "/tmp/.stdlib%d" % i
+        if os.path.isdir(src) and "/tmp" in cfg["tmpfs"]:
+            os.mkdir(dst, 0o755)
+            if libc.mount(src.encode(), dst.encode(), None, MS_BIND | MS_REC, None) == 0:
+                libc.mount(None, dst.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None)
+                sys.path[i] = dst
+                for mod in list(sys.modules.values()):  # packages already imported (encodings) look there too
+                    path = getattr(mod, "__path__", None)
+                    if isinstance(path, list):
+                        path[:] = [dst + q[len(src):] if q.startswith(src) else q for q in path]
     os.mkdir("/tmp/work", 0o700)
     if mode == "namespaces":
         os.chown("/tmp/work", uid, uid)
@@ -159,7 +175,7 @@ else:
 for res, val in ((resource.RLIMIT_AS, cfg["memory_mb"] << 20), (resource.RLIMIT_CPU, cfg["cpu_s"]),
                  (resource.RLIMIT_FSIZE, cfg["file_mb"] << 20), (resource.RLIMIT_CORE, 0),
                  (resource.RLIMIT_NPROC, cfg["nproc"]), (resource.RLIMIT_NOFILE, 64)):
-    resource.setrlimit(res, (val, val))
+    resource.setrlimit(res, (val, val + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU first, SIGKILL 1 s later
 if mode == "userns":  # nested user namespace: no capability over the mounts made above
     check(libc.unshare(NS["user"]), "unshare user")
     write_map("/proc/self/setgroups", "deny")
@@ -210,6 +226,10 @@ while True:
         out = json.dumps({"status": "runtime_error", "msg": describe(e)})
     except BaseException as e:
         out = json.dumps({"status": "runtime_error", "msg": describe(e)})
+    try:
+        sys.stdout.flush(); sys.stderr.flush()
+    except BaseException:
+        pass
     data = out.encode()
     os.write(wfd, struct.pack("<I", len(data)) + data)
 '''
@@ -229,6 +249,8 @@ class Proc:
     inner_pid: int = 0
     out: dict = field(default_factory=lambda: {"stdout": b"", "stderr": b""})
     run_s: float = 0.0
+    output_bytes: int = 0
+    cpu_s: int = 0
     buf: bytes = b""
     eof: set = field(default_factory=set)
 
@@ -274,7 +296,8 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
     os.close(w_fd)
     for f in (popen.stdin, popen.stdout, popen.stderr):
         os.set_blocking(f.fileno(), False)
-    p = Proc(popen, r_fd, popen.stdin.fileno(), uid, mode, scratch, time.monotonic() + limits.run_s, run_s=limits.run_s)
+    p = Proc(popen, r_fd, popen.stdin.fileno(), uid, mode, scratch, time.monotonic() + limits.run_s,
+             run_s=limits.run_s, output_bytes=limits.output_bytes, cpu_s=limits.cpu_s)
     first = _reply(p, limits, limits.call_s)
     if "pid" in first:  # the pid to kill (the namespace's init), then the program's verdict
         p.inner_pid = int(first["pid"])
@@ -357,7 +380,7 @@ def _reply(p: Proc, limits: Limits, timeout: float) -> dict:
                     p.eof.add(key.data)
                 else:
                     kept = p.out[key.data]
-                    p.out[key.data] = kept + chunk[: max(0, limits.output_bytes - len(kept))]
+                    p.out[key.data] = kept + chunk[: max(0, p.output_bytes - len(kept))]
     finally:
         sel.close()
 
@@ -369,19 +392,29 @@ def _timed_out(p: Proc, timeout: float) -> dict:
 
 def _died(p: Proc, limits: Limits) -> dict:
     """The child closed its reply pipe: classify why (it cannot claim success this way)."""
-    try:
-        rc = p.popen.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-        rc = None
+    rc, cpu = _reap(p, 1.0)
     kill(p)
     err = p.out["stderr"].decode(errors="replace")
     if rc == 97 or "sandbox setup:" in err:
         return {"status": "sandbox_error", "msg": err.strip()[-500:]}
     if "MemoryError" in err:
         return {"status": "memory_limit", "msg": "MemoryError"}
-    if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
-        return {"status": "timeout", "msg": "CPU time limit"}
+    if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
+            rc in (-signal.SIGKILL, 128 + signal.SIGKILL) and cpu >= p.cpu_s):  # a namespace's init ignores SIGXCPU
+        return {"status": "timeout", "msg": f"CPU time limit ({cpu:.1f} s)"}
     return {"status": "runtime_error", "msg": f"the program exited (code {rc}) before replying"}
+
+
+def _reap(p: Proc, timeout: float) -> tuple:
+    """Wait up to `timeout` for the child to exit: (exit code or None, CPU seconds of it and its reaped children)."""
+    deadline = time.monotonic() + timeout
+    while p.popen.returncode is None and time.monotonic() < deadline:
+        pid, status, ru = os.wait4(p.popen.pid, os.WNOHANG)
+        if pid:
+            p.popen.returncode = os.waitstatus_to_exitcode(status)
+            return p.popen.returncode, ru.ru_utime + ru.ru_stime
+        time.sleep(0.005)
+    return p.popen.returncode, 0.0
 
 
 def call(p: Proc, args: tuple, limits: Limits) -> tuple[dict, float]:
@@ -410,6 +443,15 @@ def kill(p: Proc) -> None:
     p.popen.wait()
     if p.mode == "process" and os.geteuid() == 0:
         _kill_uid(p.uid)
+    for name, f in (("stdout", p.popen.stdout), ("stderr", p.popen.stderr)):  # what was written before the end
+        while name not in p.eof and not f.closed:
+            try:
+                chunk = os.read(f.fileno(), 1 << 16)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            p.out[name] += chunk[: max(0, p.output_bytes - len(p.out[name]))]
     for fd in (p.rfd,):
         try:
             os.close(fd)
@@ -506,7 +548,7 @@ def _check_reply(reply: dict, want) -> tuple[str, str]:
         raise RuntimeError(f"sandbox could not start: {reply.get('msg')}")
     if reply.get("status") != "ok":
         status = reply.get("status")
-        return (status if status in STATUSES[1:5] else "runtime_error"), str(reply.get("msg", ""))[:300]
+        return (status if status in STATUSES[1:6] else "runtime_error"), str(reply.get("msg", ""))[:300]
     if json.dumps(reply.get("value"), sort_keys=True) != json.dumps(want, sort_keys=True):  # 45.0 != 45, True != 1
         return "wrong_output", f"got {str(reply.get('value'))[:80]}, expected {str(want)[:80]}"
     return "ok", ""

@@ -1,0 +1,359 @@
+"""Adversarial tests of common/sandbox.py: every case is a program written to break out or cheat.
+
+Each test checks the verdict, that it came within the limit, and (autouse fixture) that nothing is
+left behind: no sandbox process and no file the candidate tried to create outside its scratch dir.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from common import code_tasks, sandbox
+
+MODE = os.environ.get("TINYPOST_SANDBOX_MODE", "auto")  # force 'userns' or 'process' to test a fallback
+LIMITS = sandbox.Limits(call_s=1.0, run_s=6.0, cpu_s=6, memory_mb=256, nproc=8, output_bytes=4096, mode=MODE)
+TESTS, EXPECTED = [(1,), (5,), (20,)], [3, 15, 60]  # solve(n) = 3 n
+TIMING = [(200_000 + i,) for i in range(4)]
+TIMING_EXPECTED = [3 * a[0] for a in TIMING]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = uuid.uuid4().hex[:12]
+ESCAPES = [f"/tmp/tp-escape-{TOKEN}", f"/var/tmp/tp-escape-{TOKEN}", f"/dev/shm/tp-escape-{TOKEN}",
+           os.path.join(ROOT, f"tp-escape-{TOKEN}"), os.path.expanduser(f"~/tp-escape-{TOKEN}")]
+MARKER = b"sandbox setup: "  # a string of the child's own source, so it is in every sandbox process's argv
+SLEEP_ARG = "987.654"
+
+
+def namespaced() -> bool:
+    return (sandbox.isolation() if MODE == "auto" else MODE) != "process"
+
+
+def judge(source, limits=LIMITS):
+    t0 = time.monotonic()
+    v = sandbox.run_program(source, TESTS, EXPECTED, limits)
+    return v, time.monotonic() - t0
+
+
+def leftover_processes() -> list:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if MARKER in cmd or (b"sleep\0" + SLEEP_ARG.encode()) in cmd:
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    deadline = time.monotonic() + 2.0  # the kernel tears a pid namespace down asynchronously
+    while leftover_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftover_processes() == [], "sandbox processes survived the run"
+    for path in ESCAPES:
+        assert not os.path.exists(path), f"the candidate wrote {path} outside its scratch dir"
+
+
+def test_correct_program_passes_and_is_timed():
+    v = sandbox.run_program("def solve(n):\n    return 3 * n\n", TESTS, EXPECTED, LIMITS, TIMING, TIMING_EXPECTED)
+    assert v.status == "correct" and v.runtime is not None and v.runtime > 0
+
+
+def test_syntax_errors_and_missing_programs():
+    assert judge("def solve(n) return 3 * n\n")[0].status == "compile_error"
+    assert judge("def solve(n):\n\treturn 1\n        return 2\n")[0].status == "compile_error"
+    assert judge("def solve(n):\n    return 3 * n\x00\n")[0].status == "compile_error"
+    assert judge("")[0].status == "no_program"
+    assert judge(None)[0].status == "no_program"
+    assert judge("def other(n):\n    return 3 * n\n")[0].status == "runtime_error"  # no entry point
+
+
+def test_wrong_output_and_type_strictness():
+    assert judge("def solve(n):\n    return 3 * n + 1\n")[0].status == "wrong_output"
+    assert judge("def solve(n):\n    return 3.0 * n\n")[0].status == "wrong_output"  # 3.0 is not 3
+    assert judge("def solve(n):\n    return [3 * n]\n")[0].status == "wrong_output"
+
+
+def test_infinite_loop_times_out_within_the_limit():
+    for src in ("def solve(n):\n    while True:\n        pass\n", "while True:\n    pass\n"):
+        v, took = judge(src)
+        assert v.status == "timeout"
+        assert took < LIMITS.call_s + 5.0
+
+
+def test_cpu_time_limit_kills_a_busy_program():
+    limits = sandbox.Limits(call_s=30.0, run_s=30.0, cpu_s=1, mode=MODE)
+    v, took = judge("def solve(n):\n    while True:\n        pass\n", limits)
+    assert v.status == "timeout" and took < 15.0
+
+
+def test_fork_bomb_is_contained_and_reaped():
+    src = f"""
+import os, subprocess
+def solve(n):
+    try:
+        subprocess.Popen(["sleep", "{SLEEP_ARG}"])
+    except OSError:
+        pass
+    while True:
+        try:
+            if os.fork() == 0:
+                os.setsid()  # try to escape the process group
+        except OSError:
+            pass
+"""
+    v, took = judge(src)
+    assert v.status == "timeout" and took < LIMITS.call_s + 5.0
+
+
+def test_memory_bomb_hits_the_memory_limit():
+    assert judge("def solve(n):\n    return len(bytearray(2 ** 34))\n")[0].status == "memory_limit"
+    grow = "def solve(n):\n    xs = []\n    while True:\n        xs.append(bytearray(10 ** 7))\n"
+    v, took = judge(grow)
+    assert v.status == "memory_limit" and took < LIMITS.call_s + 5.0
+    assert judge("blob = bytearray(2 ** 34)\ndef solve(n):\n    return 3 * n\n")[0].status == "memory_limit"
+
+
+def test_writes_outside_the_scratch_dir_leave_nothing():
+    if not namespaced() and os.geteuid() != 0:
+        pytest.skip("process mode without root: /tmp is shared with the candidate (see sandbox docstring)")
+    src = f"""
+import os
+def solve(n):
+    for path in {ESCAPES!r}:
+        try:
+            with open(path, "w") as f:
+                f.write("escaped")
+            print("wrote", path)
+        except OSError as e:
+            print("blocked", path, type(e).__name__)
+    with open("in-scratch.txt", "w") as f:
+        f.write("ok")
+    print("scratch ok", os.getcwd())
+    return 3 * n
+"""
+    if not namespaced():  # a fresh uid can still write the world-writable dirs
+        src = src.replace(repr(ESCAPES), repr(ESCAPES[3:]))
+    v, _ = judge(src)
+    assert v.status == "correct" and "scratch ok" in v.stdout
+
+
+def test_no_network():
+    if not namespaced():
+        pytest.skip("process mode has no network namespace (see sandbox docstring)")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    src = f"""
+import socket
+def solve(n):
+    for host, port in (("127.0.0.1", {port}), ("1.1.1.1", 80), ("8.8.8.8", 53)):
+        try:
+            s = socket.create_connection((host, port), timeout=0.3)
+            print("CONNECTED", host)
+            s.close()
+        except OSError as e:
+            print("refused", host, type(e).__name__)
+    return 3 * n
+"""
+    try:
+        v, _ = judge(src)
+        assert v.status == "correct" and "refused 127.0.0.1" in v.stdout and "CONNECTED" not in v.stdout
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+
+
+def test_trainer_environment_is_not_visible(monkeypatch):
+    secret = f"tp-secret-{TOKEN}"
+    monkeypatch.setenv("TINYPOST_TEST_SECRET", secret)
+    src = f"""
+import os
+def solve(n):
+    print(dict(os.environ))
+    for pid in ["self", "1", "{os.getpid()}", "{os.getppid()}"] + os.listdir("/proc"):
+        try:
+            with open("/proc/" + pid + "/environ", "rb") as f:
+                print(f.read().decode(errors="replace"))
+        except OSError:
+            pass
+    print("scanned")
+    return 3 * n
+"""
+    v, _ = judge(src)
+    assert v.status == "correct" and "scanned" in v.stdout
+    assert secret not in v.stdout and "TINYPOST_TEST_SECRET" not in v.stdout
+
+
+def test_killing_the_parent_fails_and_the_trainer_survives():
+    bystander = subprocess.Popen(["sleep", "30"])  # a process of the trainer's user the candidate must not reach
+    try:
+        src = f"""
+import os, signal
+def solve(n):
+    for pid in ({os.getpid()}, {bystander.pid}, os.getppid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            print("killed", pid)
+        except OSError as e:
+            print("denied", pid, type(e).__name__)
+    return 3 * n
+"""
+        v, _ = judge(src)
+        assert v.status == "correct" and "killed" not in v.stdout.replace("killed 0", "")
+        # kill everything it may signal, then its own group: at most the sandbox dies (an unconfined child of
+        # the same uid as the trainer would take the trainer with it, hence the guard)
+        if namespaced() or os.geteuid() == 0:
+            v, _ = judge("import os, signal\ndef solve(n):\n    os.kill(-1, signal.SIGKILL)\n    return 3 * n\n")
+            assert v.status in ("correct", "runtime_error")
+        v, _ = judge("import os, signal\ndef solve(n):\n    os.killpg(0, signal.SIGKILL)\n    return 3 * n\n")
+        assert v.status in ("correct", "runtime_error")  # a namespace's init ignores it; else it dies
+        assert bystander.poll() is None, "the candidate killed a process outside the sandbox"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_patching_time_does_not_change_the_measured_runtime():
+    src = """
+import time
+_sleep = time.sleep
+for name in ("time", "perf_counter", "monotonic", "process_time", "perf_counter_ns", "monotonic_ns", "time_ns"):
+    setattr(time, name, lambda *a: 0)
+time.sleep = lambda s: None
+def solve(n):
+    if n > 1000:
+        _sleep(0.05)
+    return 3 * n
+"""
+    v = sandbox.run_program(src, TESTS, EXPECTED, LIMITS, TIMING, TIMING_EXPECTED)
+    assert v.status == "correct" and v.runtime >= 0.05
+
+
+def test_tampering_with_equality_or_the_reply_channel_is_caught():
+    always_equal = "class Eq(int):\n    def __eq__(self, o):\n        return True\ndef solve(n):\n    return Eq(0)\n"
+    assert judge(always_equal)[0].status == "wrong_output"
+    not_data = "class Eq:\n    def __eq__(self, o):\n        return True\ndef solve(n):\n    return Eq()\n"
+    assert judge(not_data)[0].status in ("wrong_output", "runtime_error")
+    forge = """
+import json, os, struct, sys
+wfd = json.loads(sys.argv[1])["wfd"]
+def frame(obj):
+    data = json.dumps(obj).encode()
+    os.write(wfd, struct.pack("<I", len(data)) + data)
+def solve(n):
+    frame({"status": "correct"})
+    frame({"status": "ok", "value": 0})
+    return 0
+"""
+    assert judge(forge)[0].status in ("wrong_output", "runtime_error")
+    patch_runner = """
+import json, __main__
+__main__.json = type("J", (), {"dumps": staticmethod(lambda o: '{"status": "ok", "value": 3}')})
+def solve(n):
+    return 0
+"""
+    assert judge(patch_runner)[0].status == "wrong_output"
+    garbage = "import json, os, sys\nwfd = json.loads(sys.argv[1])['wfd']\n" \
+              "def solve(n):\n    os.write(wfd, b'\\xff\\xff\\xff\\x7f' + b'x' * 100)\n    return 3 * n\n"
+    assert judge(garbage)[0].status == "wrong_output"
+
+
+def test_exiting_early_with_status_zero_is_not_success():
+    for src in ("import sys\nsys.exit(0)\n", "import os\ndef solve(n):\n    os._exit(0)\n",
+                "def solve(n):\n    raise SystemExit(0)\n", "import os\nos.close(0)\ndef solve(n):\n    return 3 * n\n"):
+        assert judge(src)[0].status == "runtime_error", src
+
+
+def test_huge_output_is_capped_and_does_not_block():
+    src = "import sys\ndef solve(n):\n    sys.stdout.write('x' * 20_000_000)\n    sys.stderr.write('y' * 5_000_000)\n" \
+          "    sys.stdout.flush()\n    return 3 * n\n"
+    v, _ = judge(src)
+    assert v.status == "correct" and len(v.stdout) <= LIMITS.output_bytes and len(v.stderr) <= LIMITS.output_bytes
+    v, took = judge("import os\ndef solve(n):\n    while True:\n        os.write(1, b'z' * 65536)\n")
+    assert v.status == "timeout" and took < LIMITS.call_s + 5.0
+
+
+def test_deep_recursion_is_a_runtime_error():
+    assert judge("def solve(n):\n    return solve(n + 1)\n")[0].status == "runtime_error"
+    unbounded = "import sys\nsys.setrecursionlimit(10 ** 9)\ndef solve(n):\n    return solve(n + 1)\n"
+    v, took = judge(unbounded)  # Python frames live on the heap: it runs until a limit stops it
+    assert v.status in ("memory_limit", "timeout") and took < LIMITS.call_s + 5.0
+    c_stack = "import sys\nsys.setrecursionlimit(10 ** 9)\nclass A:\n    def __repr__(self):\n        return repr(self)\n" \
+              "def solve(n):\n    return repr(A())\n"
+    assert judge(c_stack)[0].status == "runtime_error"  # the C stack overflows: SIGSEGV
+
+
+def test_answers_cached_across_calls_or_runs_never_hit():
+    if not namespaced():
+        pytest.skip("process mode shares /tmp between runs (see sandbox docstring)")
+    src = """
+import json, os
+CACHE = {}
+def solve(n):
+    for path in ("/tmp/tp-cache.json", "/dev/shm/tp-cache.json", "tp-cache.json"):
+        if os.path.exists(path):
+            with open(path) as f:
+                if str(n) in json.load(f):
+                    print("HIT file", path)
+    if n in CACHE:
+        print("HIT memory", n)
+        return CACHE[n]
+    t = 0
+    for i in range(n):
+        t += 3
+    CACHE[n] = t
+    for path in ("/tmp/tp-cache.json", "/dev/shm/tp-cache.json", "tp-cache.json"):
+        with open(path, "w") as f:
+            json.dump(CACHE, f)
+    return t
+"""
+    for _ in range(2):  # two runs: nothing survives from the first
+        v = sandbox.measure([src], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=3)[0]
+        assert v.status == "correct" and len(v.times) == 3 and "HIT" not in v.stdout
+
+
+def test_embedded_tasks_slow_and_fast_references_differ_far_beyond_noise():
+    for task in code_tasks.TASKS.values():
+        r = code_tasks.judge(task, [], repeats=3)
+        slow, fast = r["slow"].runtime, r["fast"].runtime
+        assert slow > 5 * fast, (task.name, r["slow"].times, r["fast"].times)
+
+
+def test_embedded_broken_programs_fail_and_sum_range_is_sum_of_range():
+    task = code_tasks.TASKS["sum_range"]
+    tests_out, _ = code_tasks.expected_outputs(task)
+    assert tests_out == [sum(range(a[0])) for a in task.tests]
+    for task in code_tasks.TASKS.values():
+        verdicts = code_tasks.judge(task, list(task.broken), repeats=0)["verdicts"]
+        assert all(v.status != "correct" for v in verdicts), task.name
+
+
+def test_task_file_errors_are_one_line(tmp_path):
+    good = dict(name="t", statement="s", signature="def solve(n)", tests=[[1]], timing=[[1], [2]],
+                slow="def solve(n):\n return n\n", fast="def solve(n):\n return n\n")
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(good) + "\n")
+    assert list(code_tasks.load_tasks(str(path))) == ["t"]
+    for text, words in (("{not json\n", "not valid JSON"),
+                        (json.dumps({k: v for k, v in good.items() if k != "fast"}), "missing field 'fast'"),
+                        (json.dumps({**good, "timing": [[1]]}), "at least 2"),
+                        (json.dumps({**good, "tests": 3}), "should be a list")):
+        path.write_text(text + "\n")
+        with pytest.raises(SystemExit, match=words) as e:
+            code_tasks.load_tasks(str(path))
+        assert str(e.value).startswith("error: ") and "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="does not exist"):
+        code_tasks.load_tasks(str(tmp_path / "missing.jsonl"))
