@@ -208,7 +208,8 @@ def expected_outputs(task: CodeTask) -> tuple[list, list]:
     return outs[: len(task.tests)], outs[len(task.tests) :]
 
 
-def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, repeats: int = 3) -> dict:
+def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, repeats: int = 3,
+          time_wrong_outputs: bool = False) -> dict:
     """Verdicts for `programs` (sources or None) with the slow and fast references timed in the same rounds.
 
     Returns {"verdicts": [...], "slow": Verdict, "fast": Verdict} where each correct verdict has a
@@ -218,7 +219,7 @@ def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, 
     tests_out, timing_out = expected_outputs(task)
     unique = list(dict.fromkeys(p for p in programs if p))
     verdicts = sandbox.measure(unique + [task.slow, task.fast], task.tests, tests_out, task.timing, timing_out,
-                               limits, repeats=repeats, entry=task.entry)
+                               limits, repeats=repeats, entry=task.entry, time_wrong_outputs=time_wrong_outputs)
     by_source = dict(zip(unique, verdicts))
     no_program = sandbox.Verdict("no_program", "no program found in the completion")
     slow, fast = verdicts[-2], verdicts[-1]

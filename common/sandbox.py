@@ -251,6 +251,7 @@ class Proc:
     run_s: float = 0.0
     output_bytes: int = 0
     cpu_s: int = 0
+    done: bool = False
     buf: bytes = b""
     eof: set = field(default_factory=set)
 
@@ -419,6 +420,8 @@ def _reap(p: Proc, timeout: float) -> tuple:
 
 def call(p: Proc, args: tuple, limits: Limits) -> tuple[dict, float]:
     """Call the candidate's entry point on `args`; the reply and the round-trip wall time in seconds."""
+    if p.done:
+        return {"status": "runtime_error", "msg": "the program is no longer running"}, 0.0
     t0 = time.perf_counter()
     try:
         if not _send(p, tuple(args), limits.call_s):
@@ -431,6 +434,9 @@ def call(p: Proc, args: tuple, limits: Limits) -> tuple[dict, float]:
 
 def kill(p: Proc) -> None:
     """Kill everything the child started, reap it, close the pipes; idempotent."""
+    if p.done:
+        return
+    p.done = True
     if p.popen.poll() is None and p.inner_pid and p.mode != "process":
         try:  # the init of the pid namespace: when it dies, the kernel kills every process inside
             os.kill(p.inner_pid, signal.SIGKILL)
@@ -555,19 +561,26 @@ def _check_reply(reply: dict, want) -> tuple[str, str]:
 
 
 def measure(sources: list, tests: list, expected: list, timing: list, timing_expected: list, limits: Limits,
-            repeats: int = 3, entry: str = "solve") -> list[Verdict]:
+            repeats: int = 3, entry: str = "solve", time_wrong_outputs: bool = False) -> list[Verdict]:
     """Judge several programs and time the correct ones in the same interleaved measurement.
 
     Each program runs in its own sandbox: the correctness tests first (they double as warm-up),
     then one warm-up call on timing[0], then `repeats` rounds; round r times every surviving
-    program once on timing[1 + (r % (len(timing) - 1))] (distinct inputs per round defeat
+    program once on timing[1 + ((r - 1) % (len(timing) - 1))] (distinct inputs per round defeat
     answer caches), in a shuffled order. A program's runtime is the median of its rounds.
     Pass the slow and fast references among `sources` so that they are re-timed in the same rounds.
+    With `time_wrong_outputs`, programs that run but give wrong outputs are timed too (for an
+    ungated speed reward); their status stays wrong_output.
     """
     expected = [canonical(e) for e in expected]
     timing_expected = [canonical(e) for e in timing_expected]
     verdicts: list = [None] * len(sources)
     procs: dict = {}
+
+    def failed(i, status, msg):  # the first failure is the verdict; a wrong-output program keeps its timings
+        v = verdicts[i] if verdicts[i] is not None and verdicts[i].status == "wrong_output" else None
+        verdicts[i] = _fail(procs.pop(i), status, msg) if v is None else _finish(procs.pop(i), v)
+
     try:
         for i, source in enumerate(sources):
             if not source or not source.strip():
@@ -578,13 +591,14 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
                 status, msg = _check_reply(first, None)
                 verdicts[i] = _fail(p, status, msg)
                 continue
+            procs[i] = p
             for args, want in zip(tests, expected):
                 status, msg = _check_reply(call(p, args, limits)[0], want)
-                if status != "ok":
-                    verdicts[i] = _fail(p, status, msg)
+                if status == "wrong_output" and time_wrong_outputs:
+                    verdicts[i] = verdicts[i] or Verdict("wrong_output", msg)
+                elif status != "ok":
+                    failed(i, status, msg)
                     break
-            else:
-                procs[i] = p
         if repeats and timing:
             order_rng = random.Random(len(sources))
             for r in range(repeats + 1):  # round 0 is the warm-up
@@ -594,23 +608,28 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
                 for i in order:
                     reply, seconds = call(procs[i], timing[k], limits)
                     status, msg = _check_reply(reply, timing_expected[k])
-                    if status != "ok":
-                        verdicts[i] = _fail(procs.pop(i), status, msg)
-                    elif r > 0:
+                    if status == "wrong_output" and time_wrong_outputs:
+                        verdicts[i] = verdicts[i] or Verdict("wrong_output", msg)
+                    elif status != "ok":
+                        failed(i, status, msg)
+                        continue
+                    if r > 0:
                         verdicts[i] = verdicts[i] or Verdict("correct")
                         verdicts[i].times.append(seconds)
-        for i, p in procs.items():
-            v = verdicts[i] or Verdict("correct")
-            if v.times:
-                v.runtime = statistics.median(v.times)
-            kill(p)
-            v.stdout, v.stderr = (p.out[k].decode(errors="replace") for k in ("stdout", "stderr"))
-            verdicts[i] = v
-        procs = {}
+        for i in list(procs):
+            verdicts[i] = _finish(procs.pop(i), verdicts[i] or Verdict("correct"))
     finally:
         for p in procs.values():
             kill(p)
     return verdicts
+
+
+def _finish(p: Proc, v: Verdict) -> Verdict:
+    if v.times:
+        v.runtime = statistics.median(v.times)
+    kill(p)
+    v.stdout, v.stderr = (p.out[k].decode(errors="replace") for k in ("stdout", "stderr"))
+    return v
 
 
 def noise(times: list) -> float:

@@ -117,7 +117,7 @@ def solve(n):
 
 def test_memory_bomb_hits_the_memory_limit():
     assert judge("def solve(n):\n    return len(bytearray(2 ** 34))\n")[0].status == "memory_limit"
-    grow = "def solve(n):\n    xs = []\n    while True:\n        xs.append(bytearray(10 ** 7))\n"
+    grow = "def solve(n):\n    xs = []\n    while True:\n        xs.append(bytearray(5 * 10 ** 7))\n"
     v, took = judge(grow)
     assert v.status == "memory_limit" and took < LIMITS.call_s + 5.0
     assert judge("blob = bytearray(2 ** 34)\ndef solve(n):\n    return 3 * n\n")[0].status == "memory_limit"
@@ -328,7 +328,8 @@ def solve(n):
 def test_embedded_tasks_slow_and_fast_references_differ_far_beyond_noise():
     for task in code_tasks.TASKS.values():
         r = code_tasks.judge(task, [], repeats=3)
-        slow, fast = r["slow"].runtime, r["fast"].runtime
+        # load on the machine only adds time, so the fastest of the repeats is the least noisy figure
+        slow, fast = min(r["slow"].times), min(r["fast"].times)
         assert slow > 5 * fast, (task.name, r["slow"].times, r["fast"].times)
 
 

@@ -1,0 +1,581 @@
+"""RLPF: RL from Performance Feedback (Jing et al. 2026, arXiv 2607.27271), GRPO with a staged code-speed reward.
+
+The policy writes a program for a code-optimisation task; the sandbox (common/sandbox.py) runs it
+on hidden tests and times it against the task's slow baseline (T_b) and fast reference (T_r),
+re-timed in the same interleaved rounds. The reward never pays for speed without correctness:
+
+    failure ladder   s(no program) = -0.05 < s(compile error) = 0 < s(crash/timeout) = 0.05 < s(wrong) = 0.10
+    if correct       R = max(0.15, CGRE + 0.16 [T_c < T_b] + 0.10 [T_c <= 1.02 T_r]),
+                     CGRE = clip((T_b - T_c) / (T_b - T_r), 0, 1)
+
+so every correct program (>= 0.15) outranks every failure (<= 0.10). The group-relative advantage
+and the clipped objective are GRPO's (grpo.py), unchanged:
+
+    A_i = (r_i - mean_j r_j) / (std_j r_j + eps)
+    J   = E[ agg_{i,t} min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) - beta KL_it ]
+
+`--reward dmc` uses the DMC-Optim collapsed reward (Chambon et al. 2026, arXiv 2607.25970),
+R = (1 + c)(1 + g)/2 - 1 with c, g in {-1, +1} (correct; fast); `--reward correctness` is plain
+RLVR (1 if correct) and `--reward speed_ungated` pays speed whether or not the output is right
+(the ablation that collapses correctness in both papers).
+
+Left out, on purpose: DMC's pool of human solutions (speed is judged against the two references),
+its affine drift recalibration (references are re-timed every step instead), dynamic re-sampling.
+
+    python rlpf.py                                          # embedded CPU demo, a few minutes
+    python rlpf.py --score-file candidate.py --task sum_range   # judge one program, print one JSON line
+    python rlpf.py --reward correctness                     # RLVR ablation (also: dmc, speed_ungated)
+    python rlpf.py --model-name Qwen/Qwen2.5-Coder-0.5B-Instruct --dataset my_tasks.jsonl --device cuda \\
+        --dtype bfloat16 --max-new-tokens 512 --num-prompts 16 --group-size 8 --learning-rate 1e-6
+"""
+
+import copy
+import json
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import sandbox
+from common.code_tasks import CODE_MODEL, TASKS, ensure_code_model, extract_program, judge, load_tasks, render_code_prompt
+from common.data import PromptSampler, encode_prompts
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
+from common.models import load_model, load_tokenizer
+from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (prefix of the run folder)"""
+    seed: int = 1
+    """seed of python, numpy and torch (each rank adds its rank)"""
+    run_name: str = ""
+    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: str = ""
+    """path of a run folder to continue from its latest checkpoint"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
+    wandb_project: str = "tinypost"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    device: str = "cpu"
+    """torch device ('cpu', 'cuda')"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the policy weights"""
+
+    # Model and data
+    model_name: str = CODE_MODEL
+    """'testbed-code' (built locally and cached: warm-started on slow, fast and broken programs), a Hugging Face id,
+    or a local folder"""
+    dataset: str = "embedded"
+    """'embedded' (the tasks of common/code_tasks.py) or a local .jsonl of code tasks (format in that file)"""
+    tasks: tuple[str, ...] = ()
+    """train and evaluate on these task names only (default: all)"""
+
+    # Judging (common/sandbox.py)
+    score_file: str = ""
+    """judge this program file on --task and print one JSON line (status, runtime, speed-up); no training"""
+    task: str = "sum_range"
+    """the task of --score-file"""
+    call_timeout: float = 2.0
+    """wall-clock seconds a program may take for one call (a timeout fails the program)"""
+    memory_mb: int = 256
+    """address-space limit of a program, MiB"""
+    timing_repeats: int = 3
+    """timed rounds per program (after a warm-up); its runtime is the median"""
+
+    # Rollouts
+    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
+    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
+    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
+    in place after every update; needs the vllm extra, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
+    tis: Literal["none", "token", "sequence"] = "none"
+    """truncated importance sampling for the sampler/trainer mismatch: weight the policy loss by
+    min(pi_trainer / pi_sampler, tis_cap) per token or per sequence (needs sampler log-probs: vllm)"""
+    tis_cap: float = 2.0
+    """truncation C of the importance weight"""
+    num_prompts: int = 5
+    """prompts (tasks) per step (per rank)"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
+    max_new_tokens: int = 96
+    """completion length cap; completions without eos are 'truncated'"""
+
+    # Reward
+    reward: Literal["staged", "dmc", "correctness", "speed_ungated"] = "staged"
+    """staged: RLPF ladder + correctness-gated speed terms; dmc: collapsed (1+c)(1+g)/2-1; correctness: 1 if
+    correct (RLVR); speed_ungated: the speed terms without the correctness gate (ablation)"""
+    rbr_tolerance: float = 1.02
+    """'matches the reference' means T_c <= rbr_tolerance * T_r (the RLPF code's undocumented 2 %)"""
+
+    # Optimisation
+    total_steps: int = 40
+    """number of GRPO steps (rollout + update)"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant after warmup)"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over each rollout batch"""
+    num_iterations: int = 1
+    """PPO epochs over each rollout batch (mu in the GRPO paper)"""
+    micro_batch_size: int = 40
+    """rows per forward/backward; gradients do not depend on it"""
+
+    # Algorithm
+    adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
+    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch"""
+    adv_eps: float = 1e-4
+    """eps in the advantage denominator (std is the biased, numpy-style one); 1e-4 keeps timing jitter in
+    near-constant groups from being blown up into full-size advantages"""
+    clip_low: float = 0.2
+    """ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """ratio clipped above at 1 + clip_high (0.28 = DAPO clip-higher)"""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """token_mean: sum / tokens in the mini-batch; seq_mean_token_mean: mean over sequences of per-sequence means;
+    constant: sum / (sequences x max_new_tokens) (Dr. GRPO)"""
+    beta: float = 0.0
+    """KL coefficient to the initial policy (0: no reference model is loaded)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d"""
+    filter_zero_std: bool = False
+    """drop groups whose rewards are all equal from the loss (they have zero advantage anyway)"""
+
+    # Evaluation
+    eval_every: int = 20
+    """evaluate every N steps (0: only before and after training)"""
+    eval_samples: int = 8
+    """programs sampled per task for the evaluation (plus one greedy)"""
+    eval_pass_k: int = 1
+    """unused by the code metrics (kept for the shared flag checks)"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """rollouts per step per rank = num_prompts * group_size"""
+    minibatch_size: int = 0
+    """rollouts per optimizer step = batch_size // num_minibatches"""
+
+
+# ALGO LOGIC: rewards (ALGORITHMS.md section 7.2 for RLPF, 7.3 for DMC)
+LADDER = {"no_program": -0.05, "compile_error": 0.0, "runtime_error": 0.05, "timeout": 0.05, "memory_limit": 0.05,
+          "wrong_output": 0.10}
+"""s(sigma): failures ranked by how far the program got (no program < does not compile < fails to run < wrong)."""
+CORRECT_FLOOR = 0.15
+"""s(WO) + 0.05: the least a correct program earns, above every failure."""
+
+
+def staged_reward(status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02) -> float:
+    """RLPF: R = s(sigma) if incorrect; max(s(WO) + 0.05, CGRE + 0.16 FBR + 0.10 RBR) if correct.
+
+    >>> staged_reward("wrong_output", 0.001, 1.0, 0.01), staged_reward("correct", 1.5, 1.0, 0.01)
+    (0.1, 0.15)
+    >>> round(staged_reward("correct", 0.01, 1.0, 0.01), 2)   # CGRE 1 + FBR 0.16 + RBR 0.10
+    1.26
+    """
+    if status != "correct":
+        return LADDER[status]
+    fbr = float(t_c < t_b)                                     # FBR: faster than the baseline
+    rbr = float(t_c <= tol * t_r)                              # RBR: matches/beats the expert reference
+    cgre = min(max((t_b - t_c) / max(t_b - t_r, 1e-12), 0.0), 1.0)  # CGRE = clip((T_b - T_c)/(T_b - T_r), 0, 1)
+    return max(CORRECT_FLOOR, cgre + 0.16 * fbr + 0.10 * rbr)
+
+
+def dmc_reward(status: str, t_c: float | None, t_b: float, t_r: float) -> float:
+    """DMC collapsed reward R = (1 + c)(1 + g)/2 - 1: +1 if correct and fast, else -1.
+
+    c = +1 if correct else -1; g = +1 if T_c <= sqrt(T_b T_r) (the program closes at least half of the
+    baseline-to-reference gap on a log scale; our stand-in [I] for DMC's "faster than the top 50 % of
+    human solutions", as the tasks carry two references, not a pool), else -1.
+
+    >>> dmc_reward("correct", 0.01, 1.0, 0.01), dmc_reward("correct", 0.9, 1.0, 0.01), dmc_reward("timeout", None, 1, 0.01)
+    (1.0, -1.0, -1.0)
+    """
+    c = 1.0 if status == "correct" else -1.0
+    g = 1.0 if t_c is not None and t_c <= (t_b * t_r) ** 0.5 else -1.0
+    return (1 + c) * (1 + g) / 2 - 1
+
+
+def correctness_reward(status: str, t_c: float | None, t_b: float, t_r: float) -> float:
+    """RLVR: 1 if correct, else 0 (no speed term)."""
+    return float(status == "correct")
+
+
+def speed_ungated_reward(status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02) -> float:
+    """The staged speed terms without the correctness gate: CGRE + 0.16 FBR + 0.10 RBR for any program that
+    ran on the timing inputs (right or wrong output), 0 for one that did not (the ablation that collapses)."""
+    if t_c is None:
+        return 0.0
+    cgre = min(max((t_b - t_c) / max(t_b - t_r, 1e-12), 0.0), 1.0)
+    return cgre + 0.16 * float(t_c < t_b) + 0.10 * float(t_c <= tol * t_r)
+
+
+def program_reward(kind: str, status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02) -> float:
+    if kind == "staged":
+        return staged_reward(status, t_c, t_b, t_r, tol)
+    if kind == "dmc":
+        return dmc_reward(status, t_c, t_b, t_r)
+    if kind == "correctness":
+        return correctness_reward(status, t_c, t_b, t_r)
+    if kind == "speed_ungated":
+        return speed_ungated_reward(status, t_c, t_b, t_r, tol)
+    raise ValueError(f"unknown reward {kind!r}")
+
+
+# ALGO LOGIC: advantages, KL and the clipped objective
+def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantage of each completion and whether its group had zero reward std.
+
+    >>> a, z = group_advantages(torch.tensor([[1., 0.], [1., 1.]]), "group_std", 1e-6); a.round(decimals=3), z
+    (tensor([[ 1., -1.],
+            [ 0.,  0.]]), tensor([False,  True]))
+    """
+    mean_P1 = rewards_PG.mean(1, keepdim=True)
+    std_P1 = rewards_PG.std(1, unbiased=False, keepdim=True)
+    zero_std_P = (rewards_PG.max(1).values - rewards_PG.min(1).values) == 0
+    centred_PG = rewards_PG - mean_P1
+    if mode == "group_std":
+        return centred_PG / (std_P1 + eps), zero_std_P
+    if mode == "group_mean":
+        return centred_PG, zero_std_P
+    if mode == "batch_std":
+        return centred_PG / (rewards_PG.std(unbiased=False) + eps), zero_std_P
+    raise ValueError(f"unknown advantage normalisation {mode!r}")
+
+
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
+    d = logp_BC - ref_logp_BC
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: float):
+    """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
+    ratio_BC = torch.exp(logp_BC - old_logp_BC)
+    adv_B1 = adv_B.unsqueeze(1)
+    unclipped = -ratio_BC * adv_B1
+    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
+    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+    summed_B = (token_loss_BC * mask_BC).sum(1)
+    if mode == "token_mean":
+        return summed_B.sum() / max(num_tokens, 1.0)
+    if mode == "seq_mean_token_mean":
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+    if mode == "constant":
+        return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+    """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
+    device = next(model.parameters()).device
+    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    mask_BC = batch["mask_BC"][rows].to(device)
+    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+                                              with_entropy=True)
+    old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
+    pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
+                                          args.clip_low, args.clip_high)
+    sampler_stats = {}
+    if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
+        sampler_logp_BC = batch["sampler_logp_BC"][rows].to(device)
+        tis_w_BC = tis_weights(old_logp_BC, sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC
+        n_tok = mask_BC.sum().item()
+        sampler_stats = {k: v * n_tok for k, v in sampler_mismatch(old_logp_BC, sampler_logp_BC, mask_BC).items()}
+        sampler_stats["rollout/tis_weight_mean"] = (tis_w_BC * mask_BC).sum().item()
+    token_loss_BC = pg_BC
+    kl_BC = torch.zeros_like(pg_BC)
+    if args.beta > 0:
+        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+        token_loss_BC = pg_BC + args.beta * kl_BC
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    loss = agg(token_loss_BC)
+    with torch.no_grad():
+        log_ratio = logp_BC - old_logp_BC
+        stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
+            "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
+            "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+            **sampler_stats,
+        }
+    return loss, stats
+
+
+# Judging: programs -> verdicts (sandbox) -> rewards and code metrics
+def limits_of(args: Args) -> sandbox.Limits:
+    return sandbox.Limits(call_s=args.call_timeout, memory_mb=args.memory_mb)
+
+
+def judge_programs(tasks: list, programs: list, args: Args) -> tuple[list, dict]:
+    """Judge each program on its task; each task's programs and its two references are timed together.
+    Returns per-program (verdict, T_b, T_r) and the references' timing spread (noise)."""
+    out, spreads = [None] * len(programs), []
+    for name in dict.fromkeys(t.name for t in tasks):
+        rows = [i for i, t in enumerate(tasks) if t.name == name]
+        r = judge(tasks[rows[0]], [programs[i] for i in rows], limits_of(args), args.timing_repeats,
+                  time_wrong_outputs=args.reward == "speed_ungated")
+        for i, v in zip(rows, r["verdicts"]):
+            out[i] = (v, r["slow"].runtime, r["fast"].runtime)
+        spreads += [sandbox.noise(r["slow"].times), sandbox.noise(r["fast"].times)]
+    return out, {"timing/reference_noise": float(np.median(spreads))}
+
+
+def code_metrics(judged: list, prefix: str) -> dict:
+    """pass rate, Slow/CRR, fast fraction, mean speed-up T_b/T_c and CGRE over judged programs; status histogram."""
+    correct = [(v, tb, tr) for v, tb, tr in judged if v.status == "correct"]
+    faster = [v.runtime < tb for v, tb, tr in correct]
+    m = {f"{prefix}pass_rate": len(correct) / max(len(judged), 1),
+         f"{prefix}fast_frac": float(np.mean(faster)) if correct else 0.0,
+         f"{prefix}slow_correct_frac": 1 - float(np.mean(faster)) if correct else 0.0,
+         f"{prefix}mean_speedup": float(np.mean([tb / v.runtime for v, tb, tr in correct])) if correct else 0.0,
+         f"{prefix}cgre": float(np.mean([min(max((tb - v.runtime) / (tb - tr), 0), 1) if v.status == "correct" else 0
+                                         for v, tb, tr in judged]))}
+    for s in sandbox.STATUSES:
+        m[f"{prefix}status/{s}"] = sum(v.status == s for v, _, _ in judged) / max(len(judged), 1)
+    return m
+
+
+def evaluate_code(engine, tokenizer, tasks: list, args: Args) -> dict:
+    """One greedy and --eval-samples sampled programs per task, judged; eval/greedy_* and eval/* metrics."""
+    prompt_ids = encode_prompts(tokenizer, [render_prompt(t, tokenizer) for t in tasks])
+    greedy = engine.generate(prompt_ids, n=1, max_new_tokens=args.max_new_tokens, greedy=True)
+    out = code_metrics(judge_programs(tasks, [extract_program(x, t.entry) for x, t in zip(greedy.texts, tasks)],
+                                      args)[0], "eval/greedy_")
+    if args.eval_samples > 0:
+        sampled = engine.generate(prompt_ids, n=args.eval_samples, temperature=args.temperature,
+                                  max_new_tokens=args.max_new_tokens)
+        rep = [t for t in tasks for _ in range(args.eval_samples)]
+        judged, noise = judge_programs(rep, [extract_program(x, t.entry) for x, t in zip(sampled.texts, rep)], args)
+        out.update(code_metrics(judged, "eval/"))
+        out["eval/reference_noise"] = noise["timing/reference_noise"]
+    return out
+
+
+def render_prompt(task, tokenizer) -> str:
+    """The compact prompt for the embedded model; a chat instruction through the chat template otherwise."""
+    if not getattr(tokenizer, "chat_template", None):
+        return render_code_prompt(task)
+    return tokenizer.apply_chat_template([{"role": "user", "content": render_code_prompt(task, chat=True)}],
+                                         tokenize=False, add_generation_prompt=True)
+
+
+def load_code_tasks(args: Args) -> list:
+    tasks = TASKS if args.dataset == "embedded" else load_tasks(args.dataset)
+    unknown = [n for n in args.tasks if n not in tasks]
+    if unknown:
+        raise SystemExit(f"error: --tasks {' '.join(unknown)}: no such task in {args.dataset} (have {sorted(tasks)})")
+    return [tasks[n] for n in (args.tasks or tasks)]
+
+
+def score_file(args: Args) -> dict:
+    """--score-file: judge one program, print one JSON line, return it. Exits 0 whatever the program does."""
+    tasks = {t.name: t for t in load_code_tasks(args)}
+    if args.task not in tasks:
+        raise SystemExit(f"error: --task {args.task}: no such task (have {sorted(tasks)})")
+    task = tasks[args.task]
+    try:
+        with open(args.score_file, errors="replace") as f:
+            source = f.read(1 << 20)
+    except OSError as e:
+        raise SystemExit(f"error: --score-file {args.score_file}: {e.strerror}") from None
+    r = judge(task, [extract_program(source, task.entry)], limits_of(args), args.timing_repeats)
+    v, t_b, t_r = r["verdicts"][0], r["slow"].runtime, r["fast"].runtime
+    line = {"task": task.name, "status": v.status, "message": v.message, "runtime": v.runtime,
+            "slow_runtime": t_b, "fast_runtime": t_r, "speedup": t_b / v.runtime if v.runtime else None,
+            "reward": staged_reward(v.status, v.runtime, t_b, t_r, args.rbr_tolerance),
+            "isolation": sandbox.isolation()}
+    print(json.dumps(line))
+    return line
+
+
+def main(args: Args) -> dict:
+    if args.score_file:
+        return score_file(args)
+    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    rank, world, device = init_distributed(args.device)
+    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    ckpt = open_checkpoint(args.resume, rank, world)
+    args.batch_size = args.num_prompts * args.group_size
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_dir = args.resume.rstrip("/") or os.path.join(
+        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+
+    model_path = ensure_code_model() if args.model_name == CODE_MODEL else args.model_name
+    tokenizer = load_tokenizer(model_path)
+    train_tasks = load_code_tasks(args)
+    eval_tasks = train_tasks  # the same tasks: the evaluation measures the policy, not generalisation
+    print(f"sandbox isolation: {sandbox.isolation()}")
+    model = load_model(model_path, args.dtype, device)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    sampler = PromptSampler(train_tasks, args.seed + rank)
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+
+    start_step, first_eval = 0, None
+    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
+        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
+        start_step, first_eval = state["step"], state.get("first_eval")
+        engine.sync_weights(model)
+    logger = RunLogger(args, run_dir, enabled=rank == 0)
+
+    def run_eval():
+        return evaluate_code(engine, tokenizer, eval_tasks, args)
+
+    if first_eval is None:
+        first_eval = run_eval()
+        logger.log(start_step, first_eval)
+    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
+               initial=start_step, total=args.total_steps)
+    metrics = {}
+    for step in bar:
+        t_step = time.time()
+        # 1. Rollouts: G programs for each of num_prompts tasks
+        tasks = sampler.next(args.num_prompts)
+        prompt_ids = encode_prompts(tokenizer, [render_prompt(t, tokenizer) for t in tasks])
+        t0 = time.time()
+        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
+        t_gen = time.time() - t0
+
+        # 2. Rewards from the sandbox: run, check and time every program against the re-timed references
+        t0 = time.time()
+        group_tasks = [t for t in tasks for _ in range(args.group_size)]
+        programs = [extract_program(x, t.entry) for x, t in zip(rollouts.texts, group_tasks)]
+        judged, timing_stats = judge_programs(group_tasks, programs, args)
+        rewards_B = torch.tensor([program_reward(args.reward, v.status, v.runtime, t_b, t_r, args.rbr_tolerance)
+                                  for v, t_b, t_r in judged])
+        correct_B = torch.tensor([float(v.status == "correct") for v, _, _ in judged])
+        t_score = time.time() - t0
+
+        # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
+        adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
+        adv_B = adv_PG.flatten()
+        mask_BC = rollouts.completion_mask_BC.clone()
+        if args.filter_zero_std:
+            mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
+
+        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
+        # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
+        # compared with, so that comparison costs no extra pass.
+        t0 = time.time()
+        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
+                     sampler_logp_BC=rollouts.sampler_logp_BC,
+                     old_logp_BC=batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                     if needs_old else None,
+                     ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                     if ref_model is not None else None)
+        t_logp = time.time() - t0
+
+        # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
+        t0 = time.time()
+        sums, grad_norms = {}, []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+            for mb in order.split(args.minibatch_size):
+                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
+                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
+                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
+                norm = {"tokens": norm_t[0].item(),
+                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
+                optimizer.zero_grad(set_to_none=True)
+                for rows in mb.split(args.micro_batch_size):
+                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
+                    loss.backward()
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                all_reduce_grads(model)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                optimizer.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+        engine.sync_weights(model)
+        t_update = time.time() - t0
+
+        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        n_updates = args.num_iterations * args.num_minibatches
+        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
+        gen_tokens = rollouts.lengths_B.sum().item()
+        metrics = {
+            "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
+            "train/accuracy": correct_B.mean().item(), **code_metrics(judged, "train/"), **timing_stats,
+            "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
+            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
+            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
+            "policy/entropy": sums["policy/entropy"] / n_tok,
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
+            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
+            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
+            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
+            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        }
+        metrics.update({k: v / n_tok for k, v in sums.items() if k.startswith("rollout/")})  # vllm sampler only
+        metrics = all_reduce_mean(metrics)
+        if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
+            metrics.update(run_eval())
+        metrics["perf/step_time"] = time.time() - t_step
+        logger.log(step, metrics, bar)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
+
+    final_eval = run_eval()
+    logger.log(args.total_steps, final_eval)
+    logger.close()
+    if rank == 0:
+        for key, what in (("eval/pass_rate", "sampled pass rate"),
+                          ("eval/fast_frac", "correct programs faster than the slow baseline"),
+                          ("eval/mean_speedup", "mean speed-up of correct programs over the baseline"),
+                          ("eval/greedy_pass_rate", "greedy pass rate")):
+            print(f"{what}: {first_eval.get(key, 0.0):.3f} -> {final_eval.get(key, 0.0):.3f}")
+        print(f"run folder {run_dir}")
+    return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

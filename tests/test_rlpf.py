@@ -1,0 +1,123 @@
+"""rlpf.py: the reward's promises (gate, floor, ladder), the scoring command, and a short training run."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from io import StringIO
+
+import pytest
+import torch
+import tyro
+
+import rlpf
+from common.logger import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAILURES = ("no_program", "compile_error", "runtime_error", "timeout", "memory_limit", "wrong_output")
+T_B, T_R = 0.020, 0.0002  # slow baseline and fast reference runtimes (seconds)
+RUNTIMES = [None, 1e-9, T_R / 10, T_R, 1.02 * T_R, 0.001, 0.01, T_B * 0.999, T_B, 2 * T_B, 100.0]
+
+
+def test_no_speed_credit_without_correctness():
+    for status in FAILURES:
+        staged = {rlpf.staged_reward(status, t, T_B, T_R) for t in RUNTIMES}
+        assert staged == {rlpf.LADDER[status]}, status  # however fast the wrong program ran
+        assert {rlpf.dmc_reward(status, t, T_B, T_R) for t in RUNTIMES} == {-1.0}
+        assert {rlpf.correctness_reward(status, t, T_B, T_R) for t in RUNTIMES} == {0.0}
+
+
+def test_every_correct_program_outranks_every_failure():
+    worst_correct = min(rlpf.staged_reward("correct", t, T_B, T_R) for t in RUNTIMES if t is not None)
+    best_failure = max(rlpf.staged_reward(s, t, T_B, T_R) for s in FAILURES for t in RUNTIMES)
+    assert worst_correct > best_failure
+    assert worst_correct == pytest.approx(0.15)  # the floor: a correct but slower-than-baseline program
+    assert min(rlpf.dmc_reward("correct", t, T_B, T_R) for t in RUNTIMES[1:]) >= \
+        max(rlpf.dmc_reward(s, t, T_B, T_R) for s in FAILURES for t in RUNTIMES)
+
+
+def test_failure_ladder_order():
+    r = {s: rlpf.staged_reward(s, None, T_B, T_R) for s in FAILURES}
+    assert r["no_program"] < r["compile_error"] < r["runtime_error"] < r["wrong_output"]
+    assert r["runtime_error"] == r["timeout"] == r["memory_limit"]  # all "compiles but fails to run"
+    assert (r["no_program"], r["compile_error"], r["runtime_error"], r["wrong_output"]) == (-0.05, 0.0, 0.05, 0.10)
+
+
+def test_staged_reward_grows_with_speed_among_correct_programs():
+    rewards = [rlpf.staged_reward("correct", t, T_B, T_R) for t in sorted(RUNTIMES[1:], reverse=True)]
+    assert rewards == sorted(rewards) and rewards[-1] == pytest.approx(1.26) and rewards[0] == pytest.approx(0.15)
+    half = rlpf.staged_reward("correct", (T_B + T_R) / 2, T_B, T_R)
+    assert half == pytest.approx(0.5 + 0.16)  # CGRE closes half the gap, plus FBR; no RBR
+    assert rlpf.staged_reward("correct", 1.02 * T_R, T_B, T_R) > rlpf.staged_reward("correct", 1.03 * T_R, T_B, T_R)
+
+
+def test_dmc_collapsed_reward_and_the_ungated_ablation():
+    fast, slow = T_R, T_B
+    assert rlpf.dmc_reward("correct", fast, T_B, T_R) == 1.0 and rlpf.dmc_reward("correct", slow, T_B, T_R) == -1.0
+    # ungated: a fast wrong program is paid like a fast correct one (the hole the gate closes)
+    assert rlpf.speed_ungated_reward("wrong_output", fast, T_B, T_R) == rlpf.speed_ungated_reward("correct", fast, T_B, T_R)
+    assert rlpf.speed_ungated_reward("runtime_error", None, T_B, T_R) == 0.0
+    assert rlpf.program_reward("staged", "correct", fast, T_B, T_R) == rlpf.staged_reward("correct", fast, T_B, T_R)
+
+
+def score(tmp_path, source: str, task: str = "sum_range") -> dict:
+    path = tmp_path / "candidate.py"
+    path.write_text(source)
+    out = StringIO()
+    with redirect_stdout(out):
+        rlpf.main(tyro.cli(rlpf.Args, args=["--score-file", str(path), "--task", task]))
+    lines = out.getvalue().strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def test_score_file_judges_slow_fast_and_broken_programs(tmp_path):
+    from common.code_tasks import TASKS
+
+    fast = score(tmp_path, TASKS["sum_range"].fast)
+    slow = score(tmp_path, TASKS["sum_range"].slow)
+    assert fast["status"] == slow["status"] == "correct"
+    assert fast["speedup"] > slow["speedup"] and fast["reward"] > slow["reward"] >= 0.15
+    assert score(tmp_path, "def solve(n):\n    return 0\n")["status"] == "wrong_output"
+    assert score(tmp_path, "Sorry, I cannot help with that.")["status"] == "no_program"
+    with pytest.raises(SystemExit, match="no such task"):
+        score(tmp_path, TASKS["sum_range"].fast, task="nope")
+
+
+def test_score_file_command_exits_zero_whatever_the_candidate_does(tmp_path):
+    path = tmp_path / "evil.py"
+    path.write_text("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos._exit(3)\n")
+    r = subprocess.run([sys.executable, "rlpf.py", "--score-file", str(path), "--task", "sum_range"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert line["status"] in ("no_program", "runtime_error") and line["reward"] <= 0.05
+
+
+def test_help_documents_every_flag():
+    r = subprocess.run([sys.executable, "rlpf.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    for name in ("--reward", "--score-file", "--task", "--call-timeout", "--timing-repeats", "--rbr-tolerance"):
+        assert name in r.stdout
+
+
+def test_short_run_trains_and_logs_code_metrics(tmp_path):
+    args = tyro.cli(rlpf.Args, args=["--num-prompts", "2", "--group-size", "4", "--total-steps", "2",
+                                     "--eval-samples", "2", "--max-new-tokens", "64", "--output-dir", str(tmp_path),
+                                     "--run-name", "smoke", "--timing-repeats", "1"])
+    from common.models import load_model
+    from common.code_tasks import ensure_code_model
+
+    before = {k: v.clone() for k, v in load_model(ensure_code_model(progress=False)).state_dict().items()}
+    out = rlpf.main(args)
+    rows = read_metrics(tmp_path / "smoke" / "metrics.jsonl")
+    train = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert math.isfinite(r["reward/mean"]) and -0.05 <= r["reward/mean"] <= 1.26
+        assert abs(sum(r[f"train/status/{s}"] for s in ("correct",) + FAILURES) - 1) < 1e-9
+    assert "eval/pass_rate" in out["after"] and "eval/greedy_pass_rate" in out["after"]
+    after = load_model(str(tmp_path / "smoke" / "checkpoint")).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
