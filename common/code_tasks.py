@@ -28,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 
 from common import sandbox
@@ -179,7 +180,7 @@ def render_code_prompt(task: CodeTask, chat: bool = False) -> str:
     if chat:
         return (f"{task.statement}\nWrite a fast Python function `{task.signature}`. Reply with the program only, "
                 f"in one ```python block.")
-    return f"# {task.statement}\n"
+    return f"# {task.name}\n"  # short: the tiny model only has to tell the tasks apart
 
 
 @functools.lru_cache(maxsize=64)
@@ -234,13 +235,13 @@ def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, 
 # ----------------------------------------------------------------------------------------
 
 CODE_MODEL = "testbed-code"
-CODE_RECIPE = dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=200, lr=3e-3, batch=32, v=1,
+CODE_RECIPE = dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=150, lr=3e-3, batch=32, v=1,
                    mix=dict(slow=0.55, fast=0.15, broken=0.30))
 """Warm-start mix: mostly slow-correct programs, a few fast ones, some broken: RL has something to shift."""
 
 
 def code_recipe_hash() -> str:
-    progs = {n: [t.slow, t.fast, *t.broken, t.statement] for n, t in TASKS.items()}
+    progs = {n: [t.slow, t.fast, *t.broken, render_code_prompt(t)] for n, t in TASKS.items()}
     blob = json.dumps(dict(recipe=CODE_RECIPE, programs=progs), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -286,6 +287,7 @@ def ensure_code_model(progress: bool = True) -> str:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
         1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / (steps - warmup))))))
     model.train()
+    t0 = time.time()
     for _ in tqdm(range(steps), desc=f"warm-starting {CODE_MODEL}", disable=not progress, leave=False):
         batch = [rng.choice(tasks) for _ in range(r["batch"])]
         prompts = tok([render_code_prompt(t) for t in batch], add_special_tokens=False)["input_ids"]
@@ -311,7 +313,8 @@ def ensure_code_model(progress: bool = True) -> str:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
-        json.dump(dict(name=CODE_MODEL, recipe_hash=code_recipe_hash(), recipe=CODE_RECIPE, final_loss=loss.item()), f)
+        json.dump(dict(name=CODE_MODEL, recipe_hash=code_recipe_hash(), recipe=CODE_RECIPE, final_loss=loss.item(),
+                       seconds=round(time.time() - t0, 1)), f)
     shutil.rmtree(path, ignore_errors=True)
     try:
         os.replace(tmp, path)

@@ -104,7 +104,7 @@ def test_help_documents_every_flag():
 
 
 def test_short_run_trains_and_logs_code_metrics(tmp_path):
-    args = tyro.cli(rlpf.Args, args=["--num-prompts", "2", "--group-size", "4", "--total-steps", "2",
+    args = tyro.cli(rlpf.Args, args=["--num-prompts", "2", "--group-size", "4", "--total-steps", "2", "--tasks", "sum_range", "has_duplicate",
                                      "--eval-samples", "2", "--max-new-tokens", "64", "--output-dir", str(tmp_path),
                                      "--run-name", "smoke", "--timing-repeats", "1"])
     from common.models import load_model

@@ -1,0 +1,109 @@
+"""RLPF reward ablation on the embedded code tasks: correctness-only (RLVR) vs staged (RLPF) vs ungated speed.
+
+    python benchmarks/rlpf_benchmark.py                    # 40 steps per reward, seeds 1 and 2
+    python benchmarks/rlpf_benchmark.py --steps 60 --seeds 1 2 3
+
+For each reward and seed, the same steps and data from the same warm-started `testbed-code` model;
+the final evaluation samples --eval-samples programs per task and reports the pass rate, the fraction
+of correct programs faster than the slow baseline, Slow/CRR, and the mean speed-up T_b / T_c. It also
+measures the timing noise itself: a pool of correct programs (each task's slow and fast references
+and intermediate variants) is timed twice, on the tasks' timing inputs and on tiny inputs, and the
+Spearman rank correlation of the two measurements is reported (ALGORITHMS.md 7.5.3: tiny inputs make
+the speed signal nearly random). Writes benchmarks/rlpf_benchmark.md.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tyro  # noqa: E402
+
+import rlpf  # noqa: E402
+from common import sandbox  # noqa: E402
+from common.code_tasks import TASKS, CodeTask, expected_outputs  # noqa: E402
+
+REWARDS = ("correctness", "staged", "speed_ungated")
+MIDDLE = {  # correct programs between the two references, so that the pool is not just two clusters
+    "sum_range": ["def solve(n):\n return sum(range(n))\n"],
+    "sum_squares": ["def solve(n):\n return sum(i * i for i in range(n))\n"],
+    "count_multiples": ["def solve(n, k):\n return len(range(0, n, k))\n", "def solve(n, k):\n return sum(1 for i in range(0, n, k))\n"],
+    "has_duplicate": ["def solve(xs):\n s = set()\n for x in xs:\n  if x in s:\n   return True\n  s.add(x)\n return False\n"],
+    "count_common": ["def solve(xs, ys):\n s = set(ys)\n c = 0\n for x in xs:\n  if x in s:\n   c += 1\n return c\n"],
+}
+
+
+def spearman(a: list, b: list) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        for rank, i in enumerate(order):
+            r[i] = float(rank)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def timing_rank_correlation(tiny: bool) -> tuple[float, int]:
+    """Rank correlation between two timings of the same pool of correct programs (all tasks pooled by task-relative
+    runtime: each runtime divided by its task's slow-reference time in the same measurement)."""
+    runs = []
+    for _ in range(2):
+        rel = []
+        for name, task in TASKS.items():
+            if tiny:  # the tests' own small inputs as timing inputs: microsecond calls
+                task = CodeTask(task.name, task.statement, task.signature, task.tests, task.tests[:4], task.slow,
+                                task.fast)
+            pool = [task.slow, task.fast, *MIDDLE[name]]
+            tests_out, timing_out = expected_outputs(task)
+            v = sandbox.measure(pool, task.tests, tests_out, task.timing, timing_out, sandbox.Limits(), repeats=3)
+            assert all(x.status == "correct" for x in v), [(x.status, x.message) for x in v]
+            rel += [x.runtime / v[0].runtime for x in v[1:]]
+        runs.append(rel)
+    return spearman(*runs), len(runs[0])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rewards", nargs="+", default=list(REWARDS))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "rlpf_benchmark.md"))
+    cli = p.parse_args()
+    noise = {"timing inputs": timing_rank_correlation(False), "tiny inputs": timing_rank_correlation(True)}
+    rows = []
+    for seed in cli.seeds:
+        for reward in cli.rewards:
+            t0 = time.time()
+            args = tyro.cli(rlpf.Args, args=["--total-steps", str(cli.steps), "--seed", str(seed), "--eval-every", "0",
+                                             "--reward", reward, "--run-name", f"rlpf_{reward}_{seed}",
+                                             "--output-dir", "runs/benchmarks"])
+            out = rlpf.main(args)
+            b, a = out["before"], out["after"]
+            rows.append((reward, seed, b, a, time.time() - t0))
+    keys = ("eval/pass_rate", "eval/fast_frac", "eval/slow_correct_frac", "eval/mean_speedup")
+    lines = [f"# RLPF rewards on the embedded code tasks ({cli.steps} steps of 5 tasks x 8 programs, lr 1e-4, "
+             f"testbed-code; eval: 8 sampled programs per task)", "",
+             "before -> after. fast_frac: fraction of correct programs faster than the slow baseline; slow/CRR = 1 - "
+             "fast_frac; speed-up: mean T_b / T_c over correct programs (T_b re-timed in the same rounds).", "",
+             "| reward | seed | pass rate | fast_frac | slow/CRR | mean speed-up | wall s |", "|---|---|---|---|---|---|---|"]
+    for reward, seed, b, a, wall in rows:
+        cells = [f"{b[k]:.3f} -> {a[k]:.3f}" if "speedup" not in k else f"{b[k]:.1f} -> {a[k]:.1f}" for k in keys]
+        lines.append(f"| {reward} | {seed} | " + " | ".join(cells) + f" | {wall:.0f} |")
+    lines += ["", "Timing noise: Spearman rank correlation between two measurements of the same correct programs "
+              "(runtime relative to the task's slow reference, median of 3, all tasks pooled):", ""]
+    lines += [f"- {k}: {r:.3f} over {n} programs" for k, (r, n) in noise.items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(cli.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
