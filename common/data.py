@@ -12,12 +12,14 @@ final answer and the solution text.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import random
 import re
 
 from common.testbed import Problem, make_suite, render_testbed_prompt
+from common.verifiers import strip_thousands
 
 QUESTION_FIELDS = ("question", "problem", "prompt", "query", "input")
 ANSWER_FIELDS = ("answer", "ground_truth", "final_answer", "target", "output")
@@ -28,6 +30,13 @@ MATH_TEMPLATE = "{question}\nPlease reason step by step, and put your final answ
 def fail(message: str) -> None:
     """Stop with a message in the user's terms (exit status 1, no traceback)."""
     raise SystemExit(f"error: {message}")
+
+
+def _kind(value) -> str:
+    """The JSON name of a value's type, for error messages."""
+    names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _pick(row: dict, explicit: str | None, candidates: tuple, what: str, source: str, required: bool = True):
@@ -45,23 +54,34 @@ def _pick(row: dict, explicit: str | None, candidates: tuple, what: str, source:
 
 
 def rows_to_problems(rows: list[dict], source: str, question_field=None, answer_field=None, solution_field=None,
-                     level_field=None) -> list[Problem]:
-    """Map raw records to `Problem`s, checking every record has the fields."""
+                     level_field=None, where: list[str] | None = None) -> list[Problem]:
+    """Map raw records to `Problem`s, checking every record has the fields, of usable types.
+    `where[i]` names record i in errors (a file and line); by default `source` and the record number."""
     if not rows:
         fail(f"{source}: the dataset is empty")
-    q_name = _pick(rows[0], question_field, QUESTION_FIELDS, "question", source)
-    a_name = _pick(rows[0], answer_field, ANSWER_FIELDS, "answer", source)
-    s_name = _pick(rows[0], solution_field, SOLUTION_FIELDS, "solution", source, required=False)
+    where = where or [f"{source} record {i}" for i in range(len(rows))]
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            fail(f"{where[i]}: record {i} is {_kind(row)}; expected an object with a question and an answer field")
+    q_name = _pick(rows[0], question_field, QUESTION_FIELDS, "question", where[0])
+    a_name = _pick(rows[0], answer_field, ANSWER_FIELDS, "answer", where[0])
+    s_name = _pick(rows[0], solution_field, SOLUTION_FIELDS, "solution", where[0], required=False)
     l_name = level_field or ("level" if "level" in rows[0] else None)
     problems = []
     for i, row in enumerate(rows):
         for name in (q_name, a_name):
             if row.get(name) in (None, ""):
-                fail(f"{source}: record {i} has no {name!r} (fields: {sorted(row)})")
+                fail(f"{where[i]}: record {i} has no {name!r} (fields: {sorted(row)})")
+        allowed = {q_name: (str,), a_name: (str, int, float), s_name: (str, type(None)), l_name: (str, int, type(None))}
+        for name, types in allowed.items():
+            value = row.get(name)
+            if name is not None and (not isinstance(value, types) or isinstance(value, bool)):
+                want = " or ".join(dict.fromkeys(_kind(t()) for t in types if t is not float))
+                fail(f"{where[i]}: record {i} field {name!r} is {_kind(value)}; expected {want}")
         answer, solution = str(row[a_name]), str(row.get(s_name) or "") if s_name else ""
         if "####" in answer:  # GSM8K: "reasoning ... #### 72"
             solution, answer = solution or answer.split("####")[0].strip(), answer.split("####")[-1].strip()
-            answer = answer.replace(",", "")
+            answer = strip_thousands(answer)
         level = row.get(l_name, 0) if l_name else 0
         if isinstance(level, str):  # MATH: "Level 3"
             digits = re.findall(r"\d+", level)
@@ -69,6 +89,39 @@ def rows_to_problems(rows: list[dict], source: str, question_field=None, answer_
         problems.append(Problem(question=str(row[q_name]), answer=answer, level=int(level or 0), solution=solution,
                                 task="math", uid=str(row.get("id", row.get("unique_id", f"{source}:{i}")))))
     return problems
+
+
+def read_json_records(path: str) -> tuple[list, list[str]]:
+    """The records of a local file, and where each one is (`file:line`): JSON lines (one object a line), or for
+    a .json file one array of objects (a .json file of JSON lines, as `datasets` writes them, works too)."""
+    if not os.path.isfile(path):
+        fail(f"dataset file {path!r} does not exist")
+    with open(path, "rb") as f:
+        data = f.read().removeprefix(codecs.BOM_UTF8)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        fail(f"{path}:{line} is not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); save the file as UTF-8")
+    if not text.strip():
+        fail(f"{path}: the file is empty")
+    if path.endswith(".json"):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            doc = None  # perhaps JSON lines: read below, with the line of the first bad one
+        if isinstance(doc, list):
+            return doc, [f"{path} (item {i})" for i in range(len(doc))]
+    rows, where = [], []
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                fail(f"{path}:{n} is not valid JSON ({e.msg} at column {e.colno}); expected one JSON object a line")
+            where.append(f"{path}:{n}")
+    return rows, where
 
 
 def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems: int = 0, seed: int = 0,
@@ -80,18 +133,9 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
         problems = make_suite("test" if split in ("test", "validation") else "train", levels=tuple(levels),
                               n_per_level=num_problems or 500, seed=seed)
         return problems
+    where = None
     if dataset.endswith((".jsonl", ".json")) and not os.path.isdir(dataset):
-        if not os.path.exists(dataset):
-            fail(f"dataset file {dataset!r} does not exist")
-        rows = []
-        with open(dataset) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        fail(f"{dataset}:{n} is not valid JSON ({e.msg})")
-        source = dataset
+        rows, where = read_json_records(dataset)
     else:
         try:
             import datasets
@@ -101,9 +145,9 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
         try:
             rows = list(datasets.load_dataset(dataset, dataset_config, split=hf_split))
         except Exception as e:  # noqa: BLE001 - the hub/cache raises many types
-            fail(f"could not load dataset {dataset!r} (config {dataset_config!r}, split {hf_split!r}): {e}")
-        source = dataset
-    problems = rows_to_problems(rows, source, question_field, answer_field, solution_field, level_field)
+            fail(f"could not load dataset {dataset!r} (config {dataset_config!r}, split {hf_split!r}): "
+                 f"{type(e).__name__}: {' '.join(str(e).split())}")
+    problems = rows_to_problems(rows, dataset, question_field, answer_field, solution_field, level_field, where)
     return problems[:num_problems] if num_problems else problems
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 
 import torch
@@ -27,7 +29,7 @@ def load_tokenizer(name: str):
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - hub, disk and format errors all mean "cannot load"
-        raise SystemExit(f"error: could not load the tokenizer of {name!r}: {e}") from None
+        raise SystemExit(f"error: could not load the tokenizer of {name!r}: {_one_line(e)}") from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:  # many base models have none; eos stays distinct in the mask logic
         tok.pad_token = tok.eos_token
@@ -48,18 +50,61 @@ def disable_dropout(config, model=None) -> None:
             module.p = 0.0
 
 
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def check_weight_files(path: str) -> None:
+    """Fail, naming the file, when a local safetensors file is empty or shorter than its own header says."""
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(file, "rb") as f:
+            size, head = os.path.getsize(file), f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            try:
+                header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+                end = 8 + n + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                end = None
+        if size == 0:
+            raise SystemExit(f"error: weights file {file} is empty (an interrupted download or copy?)")
+        if end is None or size < end:
+            raise SystemExit(f"error: weights file {file} is truncated or not a safetensors file "
+                             f"({size} bytes{f', its header says {end}' if end else ''}); copy or download it again")
+
+
+def check_tokenizer_fits(model, path: str) -> None:
+    """Fail when the tokenizer saved beside a local model has ids the model's embedding or LM head lacks
+    (a tokenizer from another model); torch would otherwise stop at the first such id with an index error."""
+    if not os.path.isdir(path) or not glob.glob(os.path.join(path, "tokenizer*")):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        n_tokens = len(AutoTokenizer.from_pretrained(path))
+    except Exception:  # noqa: BLE001 - load_tokenizer reports a tokenizer that cannot load
+        return
+    head = model.get_output_embeddings()
+    rows = min(model.get_input_embeddings().num_embeddings, head.weight.shape[0] if head is not None else n_tokens)
+    if n_tokens > rows:
+        raise SystemExit(f"error: the tokenizer in {path} has {n_tokens} tokens but the model there has only {rows} "
+                         f"embedding rows: they come from different models (save the model's own tokenizer with it)")
+
+
 def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
     """A causal LM in `dtype` on `device`, in train mode, with dropout off."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model(name)
+    if os.path.isdir(path):
+        check_weight_files(path)
     try:
         config = AutoConfig.from_pretrained(path)
         disable_dropout(config)
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
     except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"error: could not load model {name!r}: {e}") from None
+        raise SystemExit(f"error: could not load model {name!r}: {_one_line(e)}") from None
     disable_dropout(model.config, model)
+    check_tokenizer_fits(model, path)
     return model.to(device).train()
 
 

@@ -1,0 +1,119 @@
+"""Bad input through the trainers' real `main()`: a data file that is empty, not JSON, not UTF-8, of the wrong
+shape or types, and a model folder that is missing, truncated or paired with another model's tokenizer. Each
+stops before training with one line, `error: ...`, naming the file (and line) and what is wrong."""
+
+import os
+import re
+import shutil
+
+import pytest
+import tyro
+
+import direct_opd
+import grpo
+import oc_grpo
+import ppo_slm
+import rloo_sec
+
+OK = '{"question": "What is 1+1?", "answer": "2"}\n'
+
+# name: (file name, bytes, the error it must give); the record with the problem is on line 2
+DATA_CASES = {
+    "empty": ("d.jsonl", b"", r"d\.jsonl: the file is empty"),
+    "blank_lines": ("d.jsonl", b"\n  \n", r"d\.jsonl: the file is empty"),
+    "not_json": ("d.jsonl", (OK + "{question: 1+1}\n").encode(), r"d\.jsonl:2 is not valid JSON"),
+    "not_utf8": ("d.jsonl", OK.encode() + b'{"question": "caf\xe9 1+1", "answer": "2"}\n',
+                 r"d\.jsonl:2 is not UTF-8 text \(byte 0xe9 at column 18\)"),
+    "not_an_object": ("d.jsonl", (OK + '["1+1", "2"]\n').encode(), r"d\.jsonl:2: record 1 is a list"),
+    "missing_answer": ("d.jsonl", (OK + '{"question": "2+2"}\n').encode(), r"d\.jsonl:2: record 1 has no 'answer'"),
+    "question_is_a_list": ("d.jsonl", (OK + '{"question": ["2", "+2"], "answer": "4"}\n').encode(),
+                           r"d\.jsonl:2: record 1 field 'question' is a list; expected a string"),
+    "answer_is_a_dict": ("d.jsonl", (OK + '{"question": "2+2", "answer": {"value": 4}}\n').encode(),
+                         r"d\.jsonl:2: record 1 field 'answer' is an object; expected a string or a number"),
+    "json_array_bad_item": ("d.json", ("[" + OK + ', {"question": "2+2", "answer": null}]').encode(),
+                            r"d\.json \(item 1\): record 1 has no 'answer'"),
+    "json_not_json": ("d.json", b'[{"question": "2+2", "answer": 4}', r"d\.json:1 is not valid JSON"),
+}
+DATA_TRAINERS = ["grpo", "rloo_sec", "oc_grpo", "direct_opd"]  # ppo_slm builds its own pairs (testbed or texts)
+TRAINERS = {"grpo": grpo, "rloo_sec": rloo_sec, "oc_grpo": oc_grpo, "direct_opd": direct_opd, "ppo_slm": ppo_slm}
+
+
+def _run(trainer: str, model: str, tmp_path, *extra):
+    """The trainer's main() on these flags; the SystemExit message it stops with."""
+    flags = ["--output-dir", str(tmp_path / "runs"), "--model-name", model]
+    if trainer == "direct_opd":
+        flags += ["--teacher-pre", model, "--teacher-post", model]
+    if trainer == "ppo_slm":
+        flags += ["--num-train-examples", "8", "--num-eval-pairs", "4", "--num-eval-prompts", "4"]
+    module = TRAINERS[trainer]
+    with pytest.raises(SystemExit) as info:
+        module.main(tyro.cli(module.Args, args=[*flags, *extra]))
+    return str(info.value)
+
+
+def _assert_one_line_error(message: str, pattern: str):
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert re.search(pattern, message), message
+
+
+@pytest.mark.parametrize("case", DATA_CASES)
+@pytest.mark.parametrize("trainer", DATA_TRAINERS)
+def test_bad_data_file_is_a_one_line_error_naming_file_and_line(trainer, case, tmp_path, tiny_model_dir):
+    name, content, pattern = DATA_CASES[case]
+    path = tmp_path / name
+    path.write_bytes(content)
+    _assert_one_line_error(_run(trainer, tiny_model_dir, tmp_path, "--dataset", str(path)), pattern)
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # stopped before any run folder
+
+
+def _missing(src, dst):
+    return os.path.join(dst, "not-here")
+
+
+def _empty_weights(src, dst):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    open(os.path.join(dst, "model.safetensors"), "wb").close()
+    return dst
+
+
+def _cut_weights(src, dst):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = os.path.join(dst, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    return dst
+
+
+def _no_weights(src, dst):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    os.remove(os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def _other_tokenizer(src, dst):
+    """The model with a tokenizer that has one token more than the model has embedding rows."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tok.save_pretrained(dst)
+    return dst
+
+
+# name: (how to spoil a copy of the tiny model's folder, the error it must give)
+MODEL_CASES = {
+    "missing": (_missing, r"model path '.*not-here' does not exist"),
+    "empty_weights": (_empty_weights, r"weights file .*model\.safetensors is empty"),
+    "truncated_weights": (_cut_weights, r"weights file .*model\.safetensors is truncated"),
+    "no_weights": (_no_weights, r"could not load model '.*model': .*no file named model\.safetensors"),
+    "other_tokenizer": (_other_tokenizer, r"the tokenizer in .*model has 260 tokens but the model there has only 259 "
+                                          r"embedding rows"),
+}
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_bad_model_folder_is_a_one_line_error_naming_it(trainer, case, tmp_path, tiny_model_dir):
+    spoil, pattern = MODEL_CASES[case]
+    model = spoil(tiny_model_dir, str(tmp_path / "model"))
+    _assert_one_line_error(_run(trainer, model, tmp_path), pattern)
