@@ -3,7 +3,7 @@
     --dataset testbed                 the embedded suite (levels from --levels)
     --dataset data/train.jsonl        one JSON object per line
     --dataset openai/gsm8k            any HF dataset (GSM8K, MATH-500 and similar fields)
-    --dataset data/                   a local folder of train/test files, read by `datasets`
+    --dataset data/                   a local folder: data/<split>.jsonl (or .json), else read by `datasets`
 
 Field names are detected (question/problem/prompt, answer/ground_truth, solution, level)
 or set with the field options. A GSM8K-style answer ("... #### 72") is split into the
@@ -59,7 +59,7 @@ def rows_to_problems(rows: list[dict], source: str, question_field=None, answer_
     `where[i]` names record i in errors (a file and line); by default `source` and the record number."""
     if not rows:
         fail(f"{source}: the dataset is empty")
-    where = where or [f"{source} record {i}" for i in range(len(rows))]
+    where = where or [source] * len(rows)
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             fail(f"{where[i]}: record {i} is {_kind(row)}; expected an object with a question and an answer field")
@@ -86,8 +86,12 @@ def rows_to_problems(rows: list[dict], source: str, question_field=None, answer_
         if isinstance(level, str):  # MATH: "Level 3"
             digits = re.findall(r"\d+", level)
             level = int(digits[0]) if digits else 0
+        kps = row.get("kp_list") or []  # candidate knowledge points (KnowRL's field name)
+        if not (isinstance(kps, list) and all(isinstance(k, str) for k in kps)):
+            fail(f"{where[i]}: record {i} field 'kp_list' is {_kind(kps)}; expected a list of strings")
         problems.append(Problem(question=str(row[q_name]), answer=answer, level=int(level or 0), solution=solution,
-                                task="math", uid=str(row.get("id", row.get("unique_id", f"{source}:{i}")))))
+                                hints=list(kps), task="math",
+                                uid=str(row.get("id", row.get("unique_id", f"{source}:{i}")))))
     return problems
 
 
@@ -112,7 +116,7 @@ def read_json_records(path: str) -> tuple[list, list[str]]:
         except json.JSONDecodeError:
             doc = None  # perhaps JSON lines: read below, with the line of the first bad one
         if isinstance(doc, list):
-            return doc, [f"{path} (item {i})" for i in range(len(doc))]
+            return doc, [path] * len(doc)
     rows, where = [], []
     for n, line in enumerate(text.split("\n"), 1):
         if line.strip():
@@ -134,8 +138,12 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
                               n_per_level=num_problems or 500, seed=seed)
         return problems
     where = None
+    local = [os.path.join(dataset, split + ext) for ext in (".jsonl", ".json")] if os.path.isdir(dataset) else []
+    local = [f for f in local if os.path.isfile(f)]
     if dataset.endswith((".jsonl", ".json")) and not os.path.isdir(dataset):
         rows, where = read_json_records(dataset)
+    elif local:  # a folder with <split>.jsonl: read it here, so that errors name the file and line
+        rows, where = read_json_records(local[0])
     else:
         try:
             import datasets
@@ -157,9 +165,9 @@ def render_prompt(problem: Problem, tokenizer, hints=(), solution_prefix: str | 
     were trained on; others use `template` and the tokenizer's chat template when it has one."""
     if problem.task == "testbed":
         return render_testbed_prompt(problem.question, hints, solution_prefix)
-    text = template.format(question=problem.question)
-    if hints:
-        text = "Knowledge points that may help:\n" + "\n".join(f"- {h}" for h in hints) + "\n\n" + text
+    # hints in KnowRL's format: "{problem}\n\n## Hint\n{one per line}\n\nPlease reason step by step, ..."
+    question = problem.question + ("\n\n## Hint\n" + "\n".join(hints) + "\n" if hints else "")
+    text = template.format(question=question)
     if solution_prefix is not None:
         text += f"\n\nPartial reference solution: {solution_prefix}"
     if getattr(tokenizer, "chat_template", None):

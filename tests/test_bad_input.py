@@ -17,7 +17,7 @@ import rloo_sec
 
 OK = '{"question": "What is 1+1?", "answer": "2"}\n'
 
-# name: (file name, bytes, the error it must give); the record with the problem is on line 2
+# name: (file name, bytes, the error it must give); the record with the problem is on line 2 (record 1)
 DATA_CASES = {
     "empty": ("d.jsonl", b"", r"d\.jsonl: the file is empty"),
     "blank_lines": ("d.jsonl", b"\n  \n", r"d\.jsonl: the file is empty"),
@@ -31,8 +31,13 @@ DATA_CASES = {
     "answer_is_a_dict": ("d.jsonl", (OK + '{"question": "2+2", "answer": {"value": 4}}\n').encode(),
                          r"d\.jsonl:2: record 1 field 'answer' is an object; expected a string or a number"),
     "json_array_bad_item": ("d.json", ("[" + OK + ', {"question": "2+2", "answer": null}]').encode(),
-                            r"d\.json \(item 1\): record 1 has no 'answer'"),
+                            r"d\.json: record 1 has no 'answer'"),
     "json_not_json": ("d.json", b'[{"question": "2+2", "answer": 4}', r"d\.json:1 is not valid JSON"),
+    # a dataset folder (--dataset data/) with its train split in data/train.jsonl
+    "folder_not_utf8": ("data/train.jsonl", OK.encode() + b'{"question": "\xff", "answer": "2"}\n',
+                        r"data/train\.jsonl:2 is not UTF-8 text \(byte 0xff at column 15\)"),
+    "folder_answer_is_a_list": ("data/train.jsonl", (OK + '{"question": "2+2", "answer": [4]}\n').encode(),
+                                r"data/train\.jsonl:2: record 1 field 'answer' is a list"),
 }
 DATA_TRAINERS = ["grpo", "rloo_sec", "oc_grpo", "direct_opd"]  # ppo_slm builds its own pairs (testbed or texts)
 TRAINERS = {"grpo": grpo, "rloo_sec": rloo_sec, "oc_grpo": oc_grpo, "direct_opd": direct_opd, "ppo_slm": ppo_slm}
@@ -61,8 +66,10 @@ def _assert_one_line_error(message: str, pattern: str):
 def test_bad_data_file_is_a_one_line_error_naming_file_and_line(trainer, case, tmp_path, tiny_model_dir):
     name, content, pattern = DATA_CASES[case]
     path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
     path.write_bytes(content)
-    _assert_one_line_error(_run(trainer, tiny_model_dir, tmp_path, "--dataset", str(path)), pattern)
+    dataset = path.parent if name.startswith("data/") else path
+    _assert_one_line_error(_run(trainer, tiny_model_dir, tmp_path, "--dataset", str(dataset)), pattern)
     assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # stopped before any run folder
 
 
