@@ -470,3 +470,31 @@ def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: floa
     if level == "sequence":
         return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
     raise ValueError(f"unknown importance-sampling level {level!r}")
+
+
+def split_completions(rollouts: Rollouts) -> list[tuple[list[int], str, bool]]:
+    """(token ids up to and including eos, text, truncated) of each row, free of the prompt it was sampled from."""
+    return [(rollouts.completion_ids_BC[i, : int(rollouts.lengths_B[i])].tolist(), rollouts.texts[i],
+             bool(rollouts.truncated_B[i])) for i in range(len(rollouts.texts))]
+
+
+def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int = 0) -> Rollouts:
+    """Rows [prompt_i | completion_i], completions given as `split_completions` returns them: prompts left-padded
+    to P, completions right-padded to `width` (default: the longest), so token t of a completion sits at column
+    P + t whichever prompt it is attached to (the prompt it was sampled from, a hinted one, or the plain one).
+    Used to train or score a completion under another context than the one that produced it.
+
+    >>> r = attach([[7, 8], [9]], [([1, 2], "a", False), ([3], "b", True)], pad_id=0)
+    >>> r.input_ids_BT.tolist(), r.completion_mask_BC.tolist(), r.prompt_len
+    ([[7, 8, 1, 2], [0, 9, 3, 0]], [[1.0, 1.0], [1.0, 0.0]], 2)
+    """
+    width = width or max(len(c[0]) for c in completions)
+    ids_BP, mask_BP = left_pad(prompts, pad_id)
+    comp_BC = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask_BC = torch.zeros((len(prompts), width))
+    for i, (ids, _, _) in enumerate(completions):
+        comp_BC[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask_BC[i, : len(ids)] = 1.0
+    return Rollouts(torch.cat([ids_BP, comp_BC], 1), torch.cat([mask_BP, mask_BC.long()], 1), mask_BC,
+                    ids_BP.shape[1], [c[1] for c in completions], mask_BC.sum(1).long(),
+                    torch.tensor([c[2] for c in completions], dtype=torch.bool))

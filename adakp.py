@@ -1,0 +1,712 @@
+"""AdaKP: adaptive knowledge-point selection by an entropy proxy, re-chosen online during RL.
+
+The AdaKP paper is not public; this follows the proposed design of ALGORITHMS.md section 4.3, built on KnowRL
+(arXiv 2604.12627: GRPO on prompts that carry a minimal subset of a problem's candidate knowledge points, KPs).
+Each training problem x has candidate KPs k_1..k_m (testbed: `Problem.hints`; real data: a `kp_list` field).
+The policy is trained on the hinted prompt x (+) S, held-out evaluation is on the plain prompt. S is chosen per
+problem by how much each KP lowers the policy's entropy on a fixed probe continuation z (teacher forcing):
+
+    H_bar(c)     = (1/L) sum_l H( pi_theta(. | c, z_<l) )                 (mean next-token entropy on the probe)
+    score(k | S) = H_bar(x (+) S) - H_bar(x (+) S (+) k)                  (entropy reduction k brings, given S)
+
+S and every S + k of every problem being (re)selected are scored in one batched no-grad forward per greedy
+round. Greedy: add argmax_k score(k | S) while it is >= delta and |S| < budget; re-chosen when a sampled problem's
+selection is older than R steps. With top-K truncation the entropy is (1 - eps) H_K (H_K: entropy of the
+renormalised top K, eps: the tail mass), an underestimate by at most h_b(eps) + eps log(|V| - K) per position;
+the mean of that bound over the probe is logged (kp/trunc_bound_*). The update is GRPO (grpo.py) with DAPO's
+clip-higher (0.28) and token-mean loss; with --correction per_token, OC-GRPO's (section 2.4) weight moves it
+back to the plain prompt: rows are trained on [x|y] with w_it = clip(pi_old(y_it|x, y_<t) / pi_old(y_it|x~, y_<t),
+c_min, 1) multiplying the advantage, x~ the hinted prompt the rollout was sampled from.
+
+From the papers: KPs in a "## Hint" block, GRPO on the hinted prompt with token-mean loss and clip-higher (KnowRL),
+the per-token correction (OC-GRPO). Ours (section 4.3 [I], every one a flag): the entropy proxy and its probe
+(--probe: testbed, the reference answer + eos, which is what the testbed model writes; real data, the first
+--probe-len tokens of the reference solution; `rollout`: a cached correct rollout when there is one), top-K
+truncation (--entropy-top-k), greedy conditional selection (--budget, --delta), lazy re-selection every
+--reselect-every steps, fading (--fade-pass-rate: a group at or above it drops its lowest-scoring KP and the
+problem's budget shrinks to the KPs left), growing (--grow-budget: an all-wrong group raises its budget by one,
+up to m, and forces a re-selection), and the baselines of --kp-mode: none (plain GRPO), all, random (one random
+subset of --budget KPs per problem, drawn once), static (the same proxy-greedy selection, made once with the
+initial policy before training and never changed; KnowRL's offline setting, with our proxy instead of its
+rollout-based CSS selector).
+
+Left out, on purpose: KnowRL's dynamic sampling (refilling zero-std groups), entropy annealing of clip-high,
+and its rollout-based CSS/LOO offline selectors (the benchmark measures the proxy against rollout gains instead).
+
+Metrics beyond grpo.py's (per step): kp/mean_size (mean |S| over this step's prompts), kp/budget_mean,
+kp/helpful_frac (share of the shown KPs marked helpful; testbed only, 0 when none is shown), kp/reselected
+(problems whose S was chosen this step), kp/proxy_passes and kp/proxy_rows (batched no-grad forwards and contexts
+scored this step), kp/score_mean (mean score of the KPs chosen this step), kp/trunc_eps_mean and kp/trunc_bound_max
+(tail mass, and the largest per-problem bound on the score's truncation bias, max over its contexts of the mean
+per-position bound), kp/faded and kp/grown (KPs dropped, budgets raised), kp/zero_correct_frac (groups whose G
+hinted rollouts all fail), and with --correction is/weight_mean, is/weight_min, is/frac_at_clamp (over tokens of
+rows with hints), time/proxy. train/accuracy and reward/* are those of the hinted rollouts that are trained on.
+
+    python adakp.py                                         # embedded CPU demo on testbed level 4, a few minutes
+    python adakp.py --kp-mode static                        # the baselines: none, all, random, static
+    python adakp.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset knowrl_train.jsonl --eval-dataset test.jsonl \\
+        --solution-field solution --device cuda --dtype bfloat16 --max-new-tokens 2048 --probe-len 96 \\
+        --num-prompts 32 --group-size 8 --micro-batch-size 8 --learning-rate 1e-6 --total-steps 200
+"""
+
+import copy
+import math
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.evaluate import evaluate
+from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
+from common.models import load_model, load_tokenizer
+from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
+                            sampler_mismatch, split_completions, tis_weights)
+from common.verifiers import format_reward, score
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (prefix of the run folder)"""
+    seed: int = 1
+    """seed of python, numpy and torch (each rank adds its rank)"""
+    run_name: str = ""
+    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: str = ""
+    """path of a run folder to continue from its latest checkpoint"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
+    wandb_project: str = "tinypost"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    device: str = "cpu"
+    """torch device ('cpu', 'cuda')"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the policy weights"""
+
+    # Model and data
+    model_name: str = "testbed-weak"
+    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+    dataset: str = "testbed"
+    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
+    dataset_config: str | None = None
+    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split used for training (Hugging Face datasets)"""
+    eval_dataset: str = ""
+    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
+    eval_split: str = "test"
+    """split used for held-out evaluation"""
+    levels: tuple[int, ...] = (4,)
+    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
+    question_field: str | None = None
+    """record field holding the question (auto-detected when unset)"""
+    answer_field: str | None = None
+    """record field holding the final answer (auto-detected when unset)"""
+    solution_field: str | None = None
+    """record field holding a reference solution (optional)"""
+    num_train_problems: int = 0
+    """keep only this many training problems (0: all; testbed: 500 per level)"""
+    max_prompt_tokens: int = 0
+    """truncate prompts to their last N tokens (0: never)"""
+
+    # Rollouts
+    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
+    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
+    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
+    in place after every update; needs the vllm extra, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
+    tis: Literal["none", "token", "sequence"] = "none"
+    """truncated importance sampling for the sampler/trainer mismatch: weight the policy loss by
+    min(pi_trainer / pi_sampler, tis_cap) per token or per sequence (needs sampler log-probs: vllm)"""
+    tis_cap: float = 2.0
+    """truncation C of the importance weight"""
+    num_prompts: int = 16
+    """prompts per step (per rank)"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
+    max_new_tokens: int = 8
+    """completion length cap; completions without eos are 'truncated'"""
+    format_reward_weight: float = 0.0
+    """weight of the format reward added to the correctness reward"""
+
+    # Optimisation
+    total_steps: int = 300
+    """number of GRPO steps (rollout + update)"""
+    learning_rate: float = 5e-5
+    """AdamW learning rate (constant after warmup)"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over each rollout batch"""
+    num_iterations: int = 1
+    """PPO epochs over each rollout batch (mu in the GRPO paper)"""
+    micro_batch_size: int = 32
+    """rows per forward/backward; gradients do not depend on it"""
+
+    # Algorithm
+    adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
+    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch"""
+    adv_eps: float = 1e-6
+    """eps in the advantage denominator (std is the biased, numpy-style one)"""
+    clip_low: float = 0.2
+    """ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.28
+    """ratio clipped above at 1 + clip_high (0.28 = DAPO clip-higher, as KnowRL)"""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """token_mean: sum / tokens in the mini-batch; seq_mean_token_mean: mean over sequences of per-sequence means;
+    constant: sum / (sequences x max_new_tokens) (Dr. GRPO)"""
+    beta: float = 0.0
+    """KL coefficient to the initial policy (0: no reference model is loaded)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d"""
+    filter_zero_std: bool = False
+    """drop groups whose rewards are all equal from the loss (they have zero advantage anyway)"""
+    kp_mode: Literal["adakp", "none", "all", "random", "static"] = "adakp"
+    """which knowledge points the training prompt shows: adakp (proxy-greedy, re-chosen online), none (plain GRPO),
+    all, random (--budget random KPs per problem, drawn once), static (proxy-greedy once before training)"""
+    budget: int = 3
+    """B_max: the most KPs chosen per problem at first (adakp: fading lowers it, --grow-budget raises it)"""
+    delta: float = 0.02
+    """greedy stops when the best remaining KP lowers the probe entropy by less than this (nats)"""
+    reselect_every: int = 0
+    """R: a sampled problem whose selection is older than R steps is re-selected (0: one epoch of training prompts)"""
+    probe: Literal["reference", "rollout"] = "reference"
+    """probe continuation z: reference (testbed: answer + eos; real data: the reference solution's first --probe-len
+    tokens, else the answer) or rollout (the latest correct training rollout of the problem, else the reference)"""
+    probe_len: int = 96
+    """L: the probe is cut to its first L tokens"""
+    entropy_top_k: int = 50
+    """K: entropy over the top-K tokens only, (1 - eps) H_K, with its bias bound logged (0: exact entropy)"""
+    proxy_batch_size: int = 256
+    """contexts per no-grad proxy forward (a greedy round over more contexts takes several)"""
+    fade_pass_rate: float = 0.75
+    """p_hi: a group whose hinted pass rate is at least this drops its lowest-scoring KP (above 1: never fade)"""
+    grow_budget: bool = True
+    """an all-wrong group raises its problem's budget by one (up to its number of KPs) and forces a re-selection"""
+    correction: Literal["none", "per_token"] = "none"
+    """none: train on the hinted prompt (KnowRL); per_token: train on the plain prompt with OC-GRPO's weight
+    clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on the advantage"""
+    is_clip_min: float = 0.01
+    """c_min, the lower clamp of the --correction weight (its upper clamp is 1)"""
+
+    # Evaluation
+    eval_every: int = 50
+    """evaluate every N steps (0: only before and after training)"""
+    num_eval_problems: int = 200
+    """held-out problems per evaluation"""
+    eval_samples: int = 4
+    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
+    eval_pass_k: int = 4
+    """k of the logged eval/pass_at_k"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """rollouts per step per rank = num_prompts * group_size"""
+    minibatch_size: int = 0
+    """rollouts per optimizer step = batch_size // num_minibatches"""
+
+
+# ALGO LOGIC: advantages, KL and the clipped objective
+def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantage of each completion and whether its group had zero reward std.
+
+    >>> a, z = group_advantages(torch.tensor([[1., 0.], [1., 1.]]), "group_std", 1e-6); a.round(decimals=3), z
+    (tensor([[ 1., -1.],
+            [ 0.,  0.]]), tensor([False,  True]))
+    """
+    mean_P1 = rewards_PG.mean(1, keepdim=True)
+    std_P1 = rewards_PG.std(1, unbiased=False, keepdim=True)
+    zero_std_P = (rewards_PG.max(1).values - rewards_PG.min(1).values) == 0
+    centred_PG = rewards_PG - mean_P1
+    if mode == "group_std":
+        return centred_PG / (std_P1 + eps), zero_std_P
+    if mode == "group_mean":
+        return centred_PG, zero_std_P
+    if mode == "batch_std":
+        return centred_PG / (rewards_PG.std(unbiased=False) + eps), zero_std_P
+    raise ValueError(f"unknown advantage normalisation {mode!r}")
+
+
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
+    d = logp_BC - ref_logp_BC
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def clipped_surrogate(logp_BC, old_logp_BC, adv_BC, clip_low: float, clip_high: float):
+    """Per-token loss -min(rho wA, clip(rho, 1 - eps_low, 1 + eps_high) wA), and where the clip is active.
+    adv_BC is the per-token advantage w_it * A_i (w = 1 without --correction)."""
+    # differs from grpo.py: a per-token advantage adv_BC instead of adv_B; equal when adv_BC = adv_B[:, None]
+    ratio_BC = torch.exp(logp_BC - old_logp_BC)
+    unclipped = -ratio_BC * adv_BC
+    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_BC
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
+    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+    summed_B = (token_loss_BC * mask_BC).sum(1)
+    if mode == "token_mean":
+        return summed_B.sum() / max(num_tokens, 1.0)
+    if mode == "seq_mean_token_mean":
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+    if mode == "constant":
+        return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+    """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
+    device = next(model.parameters()).device
+    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    mask_BC = batch["mask_BC"][rows].to(device)
+    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+                                              with_entropy=True)
+    old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
+    pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
+                                          args.clip_low, args.clip_high)
+    sampler_stats = {}
+    if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
+        sampler_logp_BC = batch["sampler_logp_BC"][rows].to(device)
+        tis_w_BC = tis_weights(old_logp_BC, sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC
+        n_tok = mask_BC.sum().item()
+        sampler_stats = {k: v * n_tok for k, v in sampler_mismatch(old_logp_BC, sampler_logp_BC, mask_BC).items()}
+        sampler_stats["rollout/tis_weight_mean"] = (tis_w_BC * mask_BC).sum().item()
+    token_loss_BC = pg_BC
+    kl_BC = torch.zeros_like(pg_BC)
+    if args.beta > 0:
+        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+        token_loss_BC = pg_BC + args.beta * kl_BC
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    loss = agg(token_loss_BC)
+    with torch.no_grad():
+        log_ratio = logp_BC - old_logp_BC
+        stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
+            "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
+            "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+            **sampler_stats,
+        }
+    return loss, stats
+
+
+def importance_weights(old_logp_BC, hint_logp_BC, mask_BC, c_min: float) -> torch.Tensor:
+    """OC-GRPO's context-shift weight, w = clip(pi_old(y|x) / pi_old(y|x~), c_min, 1); padding gets 1.
+
+    >>> importance_weights(torch.tensor([[-1., -5., -1.]]), torch.tensor([[-2., -0.1, -1.]]),
+    ...                    torch.tensor([[1., 1., 0.]]), 0.01)
+    tensor([[1.0000, 0.0100, 1.0000]])
+    """
+    w_BC = (old_logp_BC - hint_logp_BC).exp().clamp(c_min, 1.0)
+    return torch.where(mask_BC > 0, w_BC, torch.ones_like(w_BC))
+
+
+# ALGO LOGIC: the entropy proxy, its truncation bound, and the greedy interaction-aware selector
+def binary_entropy(eps: torch.Tensor) -> torch.Tensor:
+    """h_b(eps) = -eps log eps - (1 - eps) log(1 - eps), in nats, 0 at eps = 0 and 1."""
+    return -(torch.xlogy(eps, eps) + torch.xlogy(1 - eps, 1 - eps))
+
+
+def truncated_entropy(logits_NV: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy of softmax(logits) per row, over the top-K tokens: (1 - eps) H_K, where H_K is the entropy of the
+    renormalised top K and eps the tail mass. Since H = h_b(eps) + (1 - eps) H_K + eps H(tail / eps), the exact
+    entropy exceeds it by at least 0 and at most h_b(eps) + eps log(|V| - K). Returns (entropy, bound, eps);
+    top_k <= 0 or >= |V| gives the exact entropy with bound and eps 0.
+
+    >>> h, b, e = truncated_entropy(torch.zeros(1, 4), 2); h.item(), round(b.item(), 4), e.item()
+    (0.3465735912322998, 1.0397, 0.5)
+    """
+    logp_NV = logits_NV.float().log_softmax(-1)
+    V = logp_NV.shape[-1]
+    if top_k <= 0 or top_k >= V:
+        zero_N = torch.zeros(logp_NV.shape[:-1])
+        return -(logp_NV.exp() * logp_NV).sum(-1), zero_N, zero_N
+    top_logp_NK = logp_NV.topk(top_k, -1).values
+    log_mass_N = top_logp_NK.logsumexp(-1)
+    eps_N = (1 - log_mass_N.exp()).clamp(0, 1)
+    q_logp_NK = top_logp_NK - log_mass_N.unsqueeze(-1)
+    h_k_N = -(q_logp_NK.exp() * q_logp_NK).sum(-1)
+    return (1 - eps_N) * h_k_N, binary_entropy(eps_N) + eps_N * math.log(V - top_k), eps_N
+
+
+@torch.no_grad()
+def probe_entropy(model, contexts: list[list[int]], probes: list[list[int]], pad_id: int, vocab: int, top_k: int,
+                  batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """H_bar of each context: the mean next-token entropy over its probe continuation, teacher-forced, all rows in
+    one no-grad forward (one per `batch_size` rows). Returns (H_bar_N, bound_N, eps_N, forwards): the mean
+    per-position truncation bound and tail mass of each row, and how many forwards it took."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rows = attach(contexts, [(z, "", False) for z in probes], pad_id)
+    out, passes = [], 0
+    for s in range(0, len(contexts), batch_size):
+        ids, attn = rows.input_ids_BT[s : s + batch_size].to(device), rows.attention_mask_BT[s : s + batch_size].to(device)
+        logits_BCV = completion_logits(model, ids, attn, rows.prompt_len)[..., :vocab]  # padded head rows dropped
+        out.append([x.cpu() for x in truncated_entropy(logits_BCV, top_k)])
+        passes += 1
+    model.train(was_training)
+    mask_BC = rows.completion_mask_BC
+    n_B = mask_BC.sum(1).clamp(min=1)
+    h_BC, b_BC, e_BC = (torch.cat(x) for x in zip(*out))
+    return (h_BC * mask_BC).sum(1) / n_B, (b_BC * mask_BC).sum(1) / n_B, (e_BC * mask_BC).sum(1) / n_B, passes
+
+
+def greedy_select(entropy_fn, num_kps: list[int], budgets: list[int], delta: float):
+    """Greedy interaction-aware KP subsets for several problems at once. `entropy_fn(requests)` maps a list of
+    (problem j, subset as a list of KP indices) to their H_bar values (and bounds), scored together. Each round
+    asks for S_j and every S_j + k of each problem j still growing, then adds argmax_k score(k | S_j) =
+    H_bar(S_j) - H_bar(S_j + k) if it is >= delta and |S_j| < budget_j. Returns (subsets, the score of each chosen
+    KP when it was added, the largest truncation bound seen per problem, the number of rounds)."""
+    J = len(num_kps)
+    subsets, gains, bound = [[] for _ in range(J)], [[] for _ in range(J)], [0.0] * J
+    active = [j for j in range(J) if budgets[j] > 0 and num_kps[j] > 0]
+    rounds = 0
+    while active:
+        requests = []
+        for j in active:
+            requests.append((j, list(subsets[j])))
+            requests += [(j, subsets[j] + [k]) for k in range(num_kps[j]) if k not in subsets[j]]
+        h_N, b_N = entropy_fn(requests)
+        rounds += 1
+        at, still = 0, []
+        for j in active:
+            cands = [k for k in range(num_kps[j]) if k not in subsets[j]]
+            h_S, h_k = float(h_N[at]), [float(x) for x in h_N[at + 1 : at + 1 + len(cands)]]
+            bound[j] = max(bound[j], *[float(x) for x in b_N[at : at + 1 + len(cands)]])
+            at += 1 + len(cands)
+            best = max(range(len(cands)), key=lambda i: h_S - h_k[i])  # first of ties: lowest KP index
+            if h_S - h_k[best] < delta:
+                continue
+            subsets[j].append(cands[best])
+            gains[j].append(h_S - h_k[best])
+            if len(subsets[j]) < min(budgets[j], num_kps[j]):
+                still.append(j)
+        active = still
+    return subsets, gains, bound, rounds
+
+
+def probe_tokens(problem, tokenizer, probe_len: int, cached: list[int] | None = None) -> list[int]:
+    """The probe continuation z of a problem: a cached correct rollout when given, else the reference (testbed: the
+    answer and eos, which is the whole completion; real data: the solution, else the answer), cut to probe_len."""
+    if cached:
+        return cached[:probe_len]
+    if problem.task == "testbed":
+        return (tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:probe_len]
+    return tokenizer(problem.solution or problem.answer, add_special_tokens=False)["input_ids"][:probe_len]
+
+
+def main(args: Args) -> dict:
+    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    rank, world, device = init_distributed(args.device)
+    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    ckpt = open_checkpoint(args.resume, rank, world)
+    args.batch_size = args.num_prompts * args.group_size
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    for name in ("budget", "reselect_every", "entropy_top_k"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be 0 or more")
+    for name in ("probe_len", "proxy_batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if not 0 < args.is_clip_min <= 1:
+        raise SystemExit(f"error: --is-clip-min {args.is_clip_min} must be in (0, 1]")
+    if args.correction != "none" and args.tis != "none":
+        raise SystemExit("error: --tis weighs the sampler's own context; with --correction the rows are trained on "
+                         "another prompt, so use one of them")
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_dir = args.resume.rstrip("/") or os.path.join(
+        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+
+    tokenizer = load_tokenizer(args.model_name)
+    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
+                   answer_field=args.answer_field, solution_field=args.solution_field)
+    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
+                                   **fields_)
+    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
+                                  args.num_eval_problems, args.seed, **fields_)
+    model = load_model(args.model_name, args.dtype, device)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+    if args.kp_mode != "none" and not any(p.hints for p in train_problems):
+        raise SystemExit(f"error: --kp-mode {args.kp_mode}: no training problem has knowledge points "
+                         "(a 'kp_list' field in the data, or the testbed's hints)")
+
+    # ALGO LOGIC: per-problem KP state: the subset S (indices into p.hints, in the order chosen), the score each KP
+    # had when it was added, the step S was chosen at (None: choose when next sampled), and the budget
+    n_kps = [len(p.hints) for p in train_problems]
+    kp = {"S": [[] for _ in train_problems], "gain": [[] for _ in train_problems],
+          "chosen_at": [None] * len(train_problems), "budget": [min(args.budget, m) for m in n_kps]}
+    probe_cache = {}  # --probe rollout: problem index -> token ids of its latest correct rollout
+    reselect_every = args.reselect_every or max(1, math.ceil(len(train_problems) / args.num_prompts))
+    vocab = len(tokenizer)
+    proxy = {"passes": 0, "rows": 0, "eps": 0.0}
+
+    def score_requests(idx: list[int], requests: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """H_bar and truncation bound of (j, S) requests, j indexing `idx`: one batched no-grad forward."""
+        probs = [train_problems[idx[j]] for j, _ in requests]
+        contexts = encode_prompts(tokenizer, [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S])
+                                              for p, (_, S) in zip(probs, requests)], args.max_prompt_tokens)
+        probes = [probe_tokens(p, tokenizer, args.probe_len, probe_cache.get(idx[j]) if args.probe == "rollout"
+                               else None) for p, (j, _) in zip(probs, requests)]
+        h_N, b_N, eps_N, passes = probe_entropy(model, contexts, probes, tokenizer.pad_token_id, vocab,
+                                                args.entropy_top_k, args.proxy_batch_size)
+        proxy["passes"] += passes
+        proxy["rows"] += len(requests)
+        proxy["eps"] += eps_N.sum().item()
+        return h_N, b_N
+
+    def select(idx: list[int], step: int) -> tuple[list[float], list[float]]:
+        """Choose S for problems `idx` with the current policy; returns the chosen KPs' scores and the bounds."""
+        subsets, gains, bounds, _ = greedy_select(lambda r: score_requests(idx, r), [n_kps[i] for i in idx],
+                                                  [kp["budget"][i] for i in idx], args.delta)
+        for i, S, g in zip(idx, subsets, gains):
+            kp["S"][i], kp["gain"][i], kp["chosen_at"][i] = S, g, step
+        return [x for g in gains for x in g], bounds
+
+    if args.kp_mode == "all":
+        kp["S"] = [list(range(m)) for m in n_kps]
+    elif args.kp_mode == "random":
+        rng = random.Random(f"kp-{args.seed}")
+        kp["S"] = [sorted(rng.sample(range(m), min(args.budget, m))) for m in n_kps]
+    elif args.kp_mode == "static":  # chosen once with the initial policy (before any resume), never changed
+        select(list(range(len(train_problems))), 0)
+        if rank == 0:
+            print(f"static KP selection: mean |S| {np.mean([len(S) for S in kp['S']]):.2f} "
+                  f"({proxy['passes']} forwards over {proxy['rows']} contexts)")
+
+    start_step, first_eval = 0, None
+    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
+        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
+        start_step, first_eval = state["step"], state.get("first_eval")
+        kp, probe_cache = state.get("kp", kp), state.get("probe_cache", probe_cache)
+        engine.sync_weights(model)
+    logger = RunLogger(args, run_dir, enabled=rank == 0)
+
+    def run_eval():
+        return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
+                        args.temperature, args.eval_pass_k, args.max_prompt_tokens)
+
+    if first_eval is None:
+        first_eval = run_eval()
+        logger.log(start_step, first_eval)
+    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
+               initial=start_step, total=args.total_steps)
+    metrics = {}
+    for step in bar:
+        t_step = time.time()
+        # ALGO LOGIC: 0. (re)select S for sampled problems whose selection is missing or older than R steps
+        idx = sampler.next(args.num_prompts)
+        problems = [train_problems[i] for i in idx]
+        t0 = time.time()
+        proxy.update(passes=0, rows=0, eps=0.0)
+        stale = [i for i in dict.fromkeys(idx) if args.kp_mode == "adakp"
+                 and (kp["chosen_at"][i] is None or step - kp["chosen_at"][i] >= reselect_every)]
+        chosen_scores, bounds = select(stale, step) if stale else ([], [])
+        t_proxy = time.time() - t0
+
+        # 1. Rollouts: G completions for each of num_prompts hinted prompts x~ = x (+) S
+        shown = [list(kp["S"][i]) for i in idx]
+        prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S])
+                                                for p, S in zip(problems, shown)], args.max_prompt_tokens)
+        t0 = time.time()
+        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
+        t_gen = time.time() - t0
+
+        # 2. Rewards from the verifier
+        t0 = time.time()
+        group_problems = [p for p in problems for _ in range(args.group_size)]
+        correct_B = torch.tensor(score(rollouts.texts, group_problems))
+        rewards_B = correct_B.clone()
+        if args.format_reward_weight:
+            rewards_B += args.format_reward_weight * torch.tensor(
+                [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
+        t_score = time.time() - t0
+
+        # ALGO LOGIC: 2b. fade (pass rate >= p_hi: drop the lowest-scoring KP, the budget shrinks to what is left)
+        # and grow (all wrong: budget + 1, re-selected when next sampled); --probe rollout caches a correct rollout
+        G = args.group_size
+        pass_P = correct_B.view(-1, G).float().mean(1)
+        faded = grown = 0
+        completions = split_completions(rollouts) if args.probe == "rollout" or args.correction != "none" else None
+        for g, i in enumerate(idx):
+            if args.probe == "rollout" and pass_P[g] > 0:
+                probe_cache[i] = completions[g * G + int(correct_B[g * G : (g + 1) * G].float().argmax())][0]
+            if args.kp_mode != "adakp":
+                continue
+            if pass_P[g] >= args.fade_pass_rate and kp["S"][i]:
+                drop = min(range(len(kp["S"][i])), key=lambda n: kp["gain"][i][n])
+                kp["S"][i].pop(drop)
+                kp["gain"][i].pop(drop)
+                kp["budget"][i] = len(kp["S"][i])
+                faded += 1
+            elif pass_P[g] == 0 and args.grow_budget and kp["budget"][i] < n_kps[i]:
+                kp["budget"][i] += 1
+                kp["chosen_at"][i] = None
+                grown += 1
+
+        # 2c. --correction: the rollouts are trained on the plain prompt [x|y] (same completion columns as [x~|y])
+        train_rollouts = rollouts
+        if args.correction != "none":
+            plain_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
+            train_rollouts = attach([plain_ids[b // G] for b in range(len(completions))], completions,
+                                    tokenizer.pad_token_id, rollouts.completion_ids_BC.shape[1])
+
+        # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
+        adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
+        adv_B = adv_PG.flatten()
+        mask_BC = rollouts.completion_mask_BC.clone()
+        if args.filter_zero_std:
+            mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
+
+        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
+        # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
+        # compared with, so that comparison costs no extra pass.
+        # --correction: the weight w = clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on rows shown KPs (1 elsewhere)
+        t0 = time.time()
+        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+        weigh = args.correction != "none"
+        old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature, args.micro_batch_size)
+                       if needs_old or weigh else None)
+        w_BC = torch.ones_like(mask_BC)
+        hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
+        if weigh and hinted_B.any():
+            hint_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+            w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
+                                                                         args.is_clip_min), w_BC)
+        batch = dict(input_ids_BT=train_rollouts.input_ids_BT, attention_mask_BT=train_rollouts.attention_mask_BT,
+                     prompt_len=train_rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_B.unsqueeze(1) * w_BC,
+                     sampler_logp_BC=rollouts.sampler_logp_BC if not weigh else None,
+                     old_logp_BC=old_logp_BC if needs_old else None,
+                     ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature, args.micro_batch_size)
+                     if ref_model is not None else None)
+        t_logp = time.time() - t0
+
+        # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
+        t0 = time.time()
+        sums, grad_norms = {}, []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+            for mb in order.split(args.minibatch_size):
+                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
+                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
+                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
+                norm = {"tokens": norm_t[0].item(),
+                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
+                optimizer.zero_grad(set_to_none=True)
+                for rows in mb.split(args.micro_batch_size):
+                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
+                    loss.backward()
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                all_reduce_grads(model)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                optimizer.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+        engine.sync_weights(model)
+        t_update = time.time() - t0
+
+        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        n_updates = args.num_iterations * args.num_minibatches
+        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
+        gen_tokens = rollouts.lengths_B.sum().item()
+        metrics = {
+            "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
+            "train/accuracy": correct_B.mean().item(),
+            "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
+            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
+            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
+            "policy/entropy": sums["policy/entropy"] / n_tok,
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
+            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
+            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "perf/train_tokens_per_s": args.num_iterations * train_rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
+            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
+            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        }
+        metrics.update({k: v / n_tok for k, v in sums.items() if k.startswith("rollout/")})  # vllm sampler only
+        # knowledge-point statistics (names in the module docstring)
+        helpful = [p.hint_helpful[k] for p, S in zip(problems, shown) for k in S if p.hint_helpful]
+        w_tok = w_BC[hinted_B][mask_BC[hinted_B] > 0]
+        metrics.update({
+            "kp/mean_size": float(np.mean([len(S) for S in shown])),
+            "kp/budget_mean": float(np.mean([kp["budget"][i] for i in idx])),
+            "kp/helpful_frac": float(np.mean(helpful)) if helpful else 0.0,
+            "kp/reselected": float(len(stale)), "kp/proxy_passes": float(proxy["passes"]),
+            "kp/proxy_rows": float(proxy["rows"]),
+            "kp/score_mean": float(np.mean(chosen_scores)) if chosen_scores else 0.0,
+            "kp/trunc_eps_mean": proxy["eps"] / max(proxy["rows"], 1),
+            "kp/trunc_bound_max": max(bounds, default=0.0),
+            "kp/faded": float(faded), "kp/grown": float(grown),
+            "kp/zero_correct_frac": (pass_P == 0).float().mean().item(),
+            "time/proxy": t_proxy,
+        })
+        if weigh:
+            metrics.update({"is/weight_mean": w_tok.mean().item() if len(w_tok) else 1.0,
+                            "is/weight_min": w_tok.min().item() if len(w_tok) else 1.0,
+                            "is/frac_at_clamp": (w_tok <= args.is_clip_min * (1 + 1e-6)).float().mean().item()
+                            if len(w_tok) else 0.0})
+        metrics = all_reduce_mean(metrics)
+        if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
+            metrics.update(run_eval())
+        metrics["perf/step_time"] = time.time() - t_step
+        logger.log(step, metrics, bar)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
+                            {"first_eval": first_eval, "kp": kp, "probe_cache": probe_cache})
+
+    final_eval = run_eval()
+    logger.log(args.total_steps, final_eval)
+    logger.close()
+    if rank == 0:
+        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
+        print(f"held-out no-hint greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
+              f"run folder {run_dir}")
+    return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
