@@ -44,7 +44,8 @@ import tyro
 from tqdm import tqdm
 
 from common import sandbox
-from common.code_tasks import CODE_MODEL, TASKS, ensure_code_model, extract_program, judge, load_tasks, render_code_prompt
+from common.code_tasks import (CODE_MODEL, TASKS, ensure_code_model, extract_program, judge, load_tasks,
+                               render_code_prompt)
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
@@ -213,7 +214,7 @@ def dmc_reward(status: str, t_c: float | None, t_b: float, t_r: float) -> float:
     baseline-to-reference gap on a log scale; our stand-in [I] for DMC's "faster than the top 50 % of
     human solutions", as the tasks carry two references, not a pool), else -1.
 
-    >>> dmc_reward("correct", 0.01, 1.0, 0.01), dmc_reward("correct", 0.9, 1.0, 0.01), dmc_reward("timeout", None, 1, 0.01)
+    >>> dmc_reward("correct", 0.01, 1.0, 0.01), dmc_reward("correct", 0.9, 1.0, 0.01), dmc_reward("timeout", None, 1, 1)
     (1.0, -1.0, -1.0)
     """
     c = 1.0 if status == "correct" else -1.0

@@ -30,8 +30,10 @@ REWARDS = ("correctness", "staged", "speed_ungated")
 MIDDLE = {  # correct programs between the two references, so that the pool is not just two clusters
     "sum_range": ["def solve(n):\n return sum(range(n))\n"],
     "sum_squares": ["def solve(n):\n return sum(i * i for i in range(n))\n"],
-    "count_multiples": ["def solve(n, k):\n return len(range(0, n, k))\n", "def solve(n, k):\n return sum(1 for i in range(0, n, k))\n"],
-    "has_duplicate": ["def solve(xs):\n s = set()\n for x in xs:\n  if x in s:\n   return True\n  s.add(x)\n return False\n"],
+    "count_multiples": ["def solve(n, k):\n return len(range(0, n, k))\n",
+                        "def solve(n, k):\n return sum(1 for i in range(0, n, k))\n"],
+    "has_duplicate": ["def solve(xs):\n s = set()\n for x in xs:\n  if x in s:\n   return True\n"
+                      "  s.add(x)\n return False\n"],
     "count_common": ["def solve(xs, ys):\n s = set(ys)\n c = 0\n for x in xs:\n  if x in s:\n   c += 1\n return c\n"],
 }
 
@@ -92,7 +94,8 @@ def main():
              f"testbed-code; eval: 8 sampled programs per task)", "",
              "before -> after. fast_frac: fraction of correct programs faster than the slow baseline; slow/CRR = 1 - "
              "fast_frac; speed-up: mean T_b / T_c over correct programs (T_b re-timed in the same rounds).", "",
-             "| reward | seed | pass rate | fast_frac | slow/CRR | mean speed-up | wall s |", "|---|---|---|---|---|---|---|"]
+             "| reward | seed | pass rate | fast_frac | slow/CRR | mean speed-up | wall s |",
+             "|---|---|---|---|---|---|---|"]
     for reward, seed, b, a, wall in rows:
         cells = [f"{b[k]:.3f} -> {a[k]:.3f}" if "speedup" not in k else f"{b[k]:.1f} -> {a[k]:.1f}" for k in keys]
         lines.append(f"| {reward} | {seed} | " + " | ".join(cells) + f" | {wall:.0f} |")

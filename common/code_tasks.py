@@ -76,7 +76,8 @@ TASKS = {t.name: t for t in [
         timing=[(300_000,), (300_001,), (300_002,), (300_003,)],
         slow="def solve(n):\n t = 0\n for i in range(n):\n  t += i * i\n return t\n",
         fast="def solve(n):\n return (n - 1) * n * (2 * n - 1) // 6\n",
-        broken=("def solve(n):\n return n * (n + 1) * (2 * n + 1) // 6\n", "def solve(n):\n return sum(i * i for i in n)\n",
+        broken=("def solve(n):\n return n * (n + 1) * (2 * n + 1) // 6\n",
+                "def solve(n):\n return sum(i * i for i in n)\n",
                 "def solve(n)\n return n * n\n")),
     CodeTask(
         "count_multiples", "Return how many i in 0..n-1 are divisible by k (n >= 0, k >= 1).",
@@ -105,7 +106,8 @@ TASKS = {t.name: t for t in [
         timing=[_lists(s, 2000) for s in range(4)],
         slow="def solve(xs, ys):\n c = 0\n for x in xs:\n  if x in ys:\n   c += 1\n return c\n",
         fast="def solve(xs, ys):\n s = set(ys)\n return sum(x in s for x in xs)\n",
-        broken=("def solve(xs, ys):\n return len(set(xs) & set(ys))\n", "def solve(xs, ys):\n s = set(ys)\n return sum(x in s for x in xs\n",
+        broken=("def solve(xs, ys):\n return len(set(xs) & set(ys))\n",
+                "def solve(xs, ys):\n s = set(ys)\n return sum(x in s for x in xs\n",
                 "def solve(xs, ys):\n return sum(x in s for x in xs)\n")),
 ]}
 

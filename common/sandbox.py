@@ -89,6 +89,8 @@ class Limits:
     """largest file the candidate may write (RLIMIT_FSIZE); also the size of the private /tmp"""
     mode: str = "auto"
     """'auto' (strongest that works), 'namespaces', 'userns' or 'process'"""
+    label: str = ""
+    """shown in the child's command line (ps), to find one caller's sandbox processes"""
 
 
 # The child: trusted code that runs first in the sandbox process, sets it up, then loads the
@@ -289,7 +291,7 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
     tmpfs = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if not sys.base_prefix.startswith(d + "/")]
     r_fd, w_fd = os.pipe()
     cfg = dict(wfd=w_fd, uid=uid, mode=mode, scratch=scratch, memory_mb=limits.memory_mb, cpu_s=limits.cpu_s,
-               file_mb=limits.file_mb, nproc=nproc, entry=entry, tmpfs=tmpfs)
+               file_mb=limits.file_mb, nproc=nproc, entry=entry, tmpfs=tmpfs, label=limits.label)
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch or "/", "TMPDIR": scratch or "/tmp"}
     popen = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHILD_SRC, json.dumps(cfg)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(w_fd,), env=env,

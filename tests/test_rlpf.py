@@ -57,7 +57,8 @@ def test_dmc_collapsed_reward_and_the_ungated_ablation():
     fast, slow = T_R, T_B
     assert rlpf.dmc_reward("correct", fast, T_B, T_R) == 1.0 and rlpf.dmc_reward("correct", slow, T_B, T_R) == -1.0
     # ungated: a fast wrong program is paid like a fast correct one (the hole the gate closes)
-    assert rlpf.speed_ungated_reward("wrong_output", fast, T_B, T_R) == rlpf.speed_ungated_reward("correct", fast, T_B, T_R)
+    ungated = rlpf.speed_ungated_reward
+    assert ungated("wrong_output", fast, T_B, T_R) == ungated("correct", fast, T_B, T_R)
     assert rlpf.speed_ungated_reward("runtime_error", None, T_B, T_R) == 0.0
     assert rlpf.program_reward("staged", "correct", fast, T_B, T_R) == rlpf.staged_reward("correct", fast, T_B, T_R)
 
@@ -104,7 +105,8 @@ def test_help_documents_every_flag():
 
 
 def test_short_run_trains_and_logs_code_metrics(tmp_path):
-    args = tyro.cli(rlpf.Args, args=["--num-prompts", "2", "--group-size", "4", "--total-steps", "2", "--tasks", "sum_range", "has_duplicate",
+    args = tyro.cli(rlpf.Args, args=["--num-prompts", "2", "--group-size", "4", "--total-steps", "2",
+                                     "--tasks", "sum_range", "has_duplicate",
                                      "--eval-samples", "2", "--max-new-tokens", "64", "--output-dir", str(tmp_path),
                                      "--run-name", "smoke", "--timing-repeats", "1"])
     from common.models import load_model

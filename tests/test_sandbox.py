@@ -4,6 +4,7 @@ Each test checks the verdict, that it came within the limit, and (autouse fixtur
 left behind: no sandbox process and no file the candidate tried to create outside its scratch dir.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -17,16 +18,18 @@ import pytest
 from common import code_tasks, sandbox
 
 MODE = os.environ.get("TINYPOST_SANDBOX_MODE", "auto")  # force 'userns' or 'process' to test a fallback
-LIMITS = sandbox.Limits(call_s=1.0, run_s=6.0, cpu_s=6, memory_mb=256, nproc=8, output_bytes=4096, mode=MODE)
+TOKEN = uuid.uuid4().hex[:12]
+LABEL = f"tp-sandbox-test-{TOKEN}"  # in the argv of this file's sandbox processes (others may run at the same time)
+LIMITS = sandbox.Limits(call_s=1.0, run_s=6.0, cpu_s=6, memory_mb=256, nproc=8, output_bytes=4096, mode=MODE,
+                        label=LABEL)
 TESTS, EXPECTED = [(1,), (5,), (20,)], [3, 15, 60]  # solve(n) = 3 n
 TIMING = [(200_000 + i,) for i in range(4)]
 TIMING_EXPECTED = [3 * a[0] for a in TIMING]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKEN = uuid.uuid4().hex[:12]
 ESCAPES = [f"/tmp/tp-escape-{TOKEN}", f"/var/tmp/tp-escape-{TOKEN}", f"/dev/shm/tp-escape-{TOKEN}",
            os.path.join(ROOT, f"tp-escape-{TOKEN}"), os.path.expanduser(f"~/tp-escape-{TOKEN}")]
-MARKER = b"sandbox setup: "  # a string of the child's own source, so it is in every sandbox process's argv
-SLEEP_ARG = "987.654"
+MARKER = LABEL.encode()
+SLEEP_ARG = f"987.{int(TOKEN, 16) % 10**9}"
 
 
 def namespaced() -> bool:
@@ -91,7 +94,7 @@ def test_infinite_loop_times_out_within_the_limit():
 
 
 def test_cpu_time_limit_kills_a_busy_program():
-    limits = sandbox.Limits(call_s=30.0, run_s=30.0, cpu_s=1, mode=MODE)
+    limits = sandbox.Limits(call_s=30.0, run_s=30.0, cpu_s=1, mode=MODE, label=LABEL)
     v, took = judge("def solve(n):\n    while True:\n        pass\n", limits)
     assert v.status == "timeout" and took < 15.0
 
@@ -116,11 +119,12 @@ def solve(n):
 
 
 def test_memory_bomb_hits_the_memory_limit():
-    assert judge("def solve(n):\n    return len(bytearray(2 ** 34))\n")[0].status == "memory_limit"
-    grow = "def solve(n):\n    xs = []\n    while True:\n        xs.append(bytearray(5 * 10 ** 7))\n"
-    v, took = judge(grow)
-    assert v.status == "memory_limit" and took < LIMITS.call_s + 5.0
-    assert judge("blob = bytearray(2 ** 34)\ndef solve(n):\n    return 3 * n\n")[0].status == "memory_limit"
+    limits = dataclasses.replace(LIMITS, call_s=10.0, run_s=10.0)  # memory, not time, must stop these
+    assert judge("def solve(n):\n    return len(bytearray(2 ** 34))\n", limits)[0].status == "memory_limit"
+    grow = "def solve(n):\n    xs = []\n    while True:\n        xs.append(b'x' * (5 * 10 ** 7))\n"
+    v, took = judge(grow, limits)
+    assert v.status == "memory_limit" and took < limits.call_s + 5.0
+    assert judge("blob = bytearray(2 ** 34)\ndef solve(n):\n    return 3 * n\n", limits)[0].status == "memory_limit"
 
 
 def test_writes_outside_the_scratch_dir_leave_nothing():
@@ -273,7 +277,8 @@ def solve(n):
 
 def test_exiting_early_with_status_zero_is_not_success():
     for src in ("import sys\nsys.exit(0)\n", "import os\ndef solve(n):\n    os._exit(0)\n",
-                "def solve(n):\n    raise SystemExit(0)\n", "import os\nos.close(0)\ndef solve(n):\n    return 3 * n\n"):
+                "def solve(n):\n    raise SystemExit(0)\n",
+                "import os\nos.close(0)\ndef solve(n):\n    return 3 * n\n"):
         assert judge(src)[0].status == "runtime_error", src
 
 
@@ -291,7 +296,8 @@ def test_deep_recursion_is_a_runtime_error():
     unbounded = "import sys\nsys.setrecursionlimit(10 ** 9)\ndef solve(n):\n    return solve(n + 1)\n"
     v, took = judge(unbounded)  # Python frames live on the heap: it runs until a limit stops it
     assert v.status in ("memory_limit", "timeout") and took < LIMITS.call_s + 5.0
-    c_stack = "import sys\nsys.setrecursionlimit(10 ** 9)\nclass A:\n    def __repr__(self):\n        return repr(self)\n" \
+    c_stack = "import sys\nsys.setrecursionlimit(10 ** 9)\n" \
+              "class A:\n    def __repr__(self):\n        return repr(self)\n" \
               "def solve(n):\n    return repr(A())\n"
     assert judge(c_stack)[0].status == "runtime_error"  # the C stack overflows: SIGSEGV
 
