@@ -82,8 +82,7 @@ from tqdm import tqdm
 from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.evaluate import evaluate
-from common.logger import (RunLogger, find_checkpoint, load_trainer_state, save_checkpoint, set_rng_state,
-                           truncate_metrics)
+from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
 from common.models import check_same_vocab, load_model, load_tokenizer, resolve_model
 from common.rollout import HFEngine, make_engine, position_ids
 from common.testbed import cache_root
@@ -173,7 +172,7 @@ class Args:
     learning_rate: float = 5e-5
     """AdamW learning rate (constant after warmup)"""
     warmup_steps: int = 0
-    """linear learning-rate warmup steps"""
+    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -326,6 +325,7 @@ def dense_advantages(old_logp_BCK: torch.Tensor, post_logp_BCK: torch.Tensor, ba
 
 def group_advantages(rewards_PG: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage (r - mean_G) / (std_G + eps), and whether each group had zero std (direct_plus_grpo)."""
+    # differs from grpo.py: group_std only (no mode argument); equal to grpo.py's "group_std"
     mean_P1, std_P1 = rewards_PG.mean(1, keepdim=True), rewards_PG.std(1, unbiased=False, keepdim=True)
     zero_std_P = (rewards_PG.max(1).values - rewards_PG.min(1).values) == 0
     return (rewards_PG - mean_P1) / (std_P1 + eps), zero_std_P
@@ -339,7 +339,7 @@ def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str)
         return d
     if estimator == "k2":
         return 0.5 * d**2
-    if estimator == "k3":
+    if estimator == "k3":  # differs from grpo.py: clamped to [-10, 10] (veRL low_var_kl)
         return (torch.expm1(-d) + d).clamp(-10, 10)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
@@ -350,6 +350,8 @@ def topk_clipped_surrogate(logp_BCK, old_logp_BCK, adv_BCK, clip_low: float, cli
         rho = exp(clamp(log pi_theta(v) - log pi_old(v), -20, 20))
         l   = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high));  l = min(l, -A c) where A < 0
     """
+    # differs from grpo.py (clipped_surrogate): one loss per top-K entry, the log-ratio clamped to [-20, 20], and the
+    # dual clip min(l, -A c) where A < 0; the clip indicator is the same
     ratio_BCK = torch.exp((logp_BCK - old_logp_BCK).clamp(-20.0, 20.0))
     unclipped = -adv_BCK * ratio_BCK
     clipped = -adv_BCK * ratio_BCK.clamp(1 - clip_low, 1 + clip_high)
@@ -374,6 +376,7 @@ def update_kl_coef(kl_coef: float, weighted_reward_mean: float, rate: float, lo:
 
 def aggregate(token_loss_BC, mask_BC, num_tokens: float):
     """veRL token mean with the normaliser of the whole mini-batch, so micro-batch gradients sum to its gradient."""
+    # differs from grpo.py: token_mean only (no mode argument); equal to grpo.py's "token_mean"
     return (token_loss_BC * mask_BC).sum() / max(num_tokens, 1.0)
 
 
@@ -409,12 +412,11 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: sizes, seeding, run folder
     rank, world, device = init_distributed(args.device)
+    # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
+    ckpt = open_checkpoint(args.resume, rank, world)
     args.batch_size = args.num_prompts * args.group_size
-    if args.batch_size % args.num_minibatches:
-        raise SystemExit(f"error: batch size {args.batch_size} is not divisible by num_minibatches {args.num_minibatches}")
     args.minibatch_size = args.batch_size // args.num_minibatches
-    if args.reward == "direct_plus_grpo" and args.group_size < 2:
-        raise SystemExit("error: direct_plus_grpo needs group_size >= 2 (a group baseline needs two samples)")
     run_dir = args.resume.rstrip("/") or os.path.join(
         args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
@@ -447,21 +449,10 @@ def main(args: Args) -> dict:
     kl_coef = args.kl_coef
 
     start_step, first_eval = 0, None
-    if args.resume:
-        ckpt = find_checkpoint(run_dir)
-        if ckpt is None:
-            raise SystemExit(f"error: --resume {args.resume}: no checkpoint found in that folder")
-        state = load_trainer_state(ckpt)
-        model.load_state_dict(load_model(ckpt, args.dtype, device).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
+    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
+        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
         start_step, first_eval, kl_coef = state["step"], state.get("first_eval"), state["kl_coef"]
         engine.sync_weights(model)
-        if rank == 0:
-            truncate_metrics(run_dir, start_step)
-            print(f"resumed {run_dir} from step {start_step}")
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
@@ -540,7 +531,8 @@ def main(args: Args) -> dict:
                 all_reduce_grads(model)
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                 optimizer.step()
-            scheduler.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
         engine.sync_weights(model)
         t_update = time.time() - t0
 
@@ -567,7 +559,7 @@ def main(args: Args) -> dict:
             "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
             "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
             "policy/entropy": sums["policy/entropy"] / n_tok,
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": scheduler.get_last_lr()[0],
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
             "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
             "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
             "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
@@ -583,10 +575,9 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if rank == 0 and ((args.save_every and step % args.save_every == 0) or step == args.total_steps):
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer,
-                            {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-                             "first_eval": first_eval, "kl_coef": kl_coef})
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
+                            {"first_eval": first_eval, "kl_coef": kl_coef})
 
     final_eval = run_eval()
     logger.log(args.total_steps, final_eval)

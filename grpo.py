@@ -46,8 +46,7 @@ from tqdm import tqdm
 from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.evaluate import evaluate
-from common.logger import (RunLogger, find_checkpoint, load_trainer_state, save_checkpoint, set_rng_state,
-                           truncate_metrics)
+from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
 from common.verifiers import format_reward, score
@@ -136,7 +135,7 @@ class Args:
     learning_rate: float = 5e-5
     """AdamW learning rate (constant after warmup)"""
     warmup_steps: int = 0
-    """linear learning-rate warmup steps"""
+    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -279,12 +278,10 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: sizes, seeding, run folder
     rank, world, device = init_distributed(args.device)
+    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    ckpt = open_checkpoint(args.resume, rank, world)
     args.batch_size = args.num_prompts * args.group_size
-    if args.batch_size % args.num_minibatches:
-        raise SystemExit(f"error: batch size {args.batch_size} is not divisible by num_minibatches {args.num_minibatches}")
     args.minibatch_size = args.batch_size // args.num_minibatches
-    if args.group_size < 2:
-        raise SystemExit("error: group_size must be at least 2 (a group baseline needs two samples)")
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -304,25 +301,12 @@ def main(args: Args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = PromptSampler(train_problems, args.seed + rank)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
-    if args.tis != "none" and args.rollout_backend != "vllm":
-        raise SystemExit("error: --tis corrects a separate sampler's mismatch; the hf backends sample from the trainer itself")
 
     start_step, first_eval = 0, None
-    if args.resume:
-        ckpt = find_checkpoint(run_dir)
-        if ckpt is None:
-            raise SystemExit(f"error: --resume {args.resume}: no checkpoint found in that folder")
-        state = load_trainer_state(ckpt)
-        model.load_state_dict(load_model(ckpt, args.dtype, device).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
+    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
+        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
         start_step, first_eval = state["step"], state.get("first_eval")
         engine.sync_weights(model)
-        if rank == 0:
-            truncate_metrics(run_dir, start_step)
-            print(f"resumed {run_dir} from step {start_step}")
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
@@ -396,7 +380,8 @@ def main(args: Args) -> dict:
                 all_reduce_grads(model)
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                 optimizer.step()
-            scheduler.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
         engine.sync_weights(model)
         t_update = time.time() - t0
 
@@ -411,7 +396,7 @@ def main(args: Args) -> dict:
             "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
             "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
             "policy/entropy": sums["policy/entropy"] / n_tok,
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": scheduler.get_last_lr()[0],
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
             "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
             "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
             "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
@@ -426,10 +411,8 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if rank == 0 and ((args.save_every and step % args.save_every == 0) or step == args.total_steps):
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer,
-                            {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-                             "first_eval": first_eval})
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
 
     final_eval = run_eval()
     logger.log(args.total_steps, final_eval)

@@ -59,8 +59,7 @@ from tqdm import tqdm
 from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.evaluate import evaluate
-from common.logger import (RunLogger, find_checkpoint, load_trainer_state, save_checkpoint, set_rng_state,
-                           truncate_metrics)
+from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import Rollouts, batched_logprobs, completion_logprobs, left_pad, make_engine
 from common.verifiers import format_reward, score
@@ -144,7 +143,7 @@ class Args:
     learning_rate: float = 5e-5
     """AdamW learning rate (constant after warmup)"""
     warmup_steps: int = 0
-    """linear learning-rate warmup steps"""
+    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -281,6 +280,7 @@ def importance_weights(old_logp_BC, hint_logp_BC, mask_BC, mode: str, c_min: flo
 def clipped_surrogate(logp_BC, old_logp_BC, adv_BC, clip_low: float, clip_high: float):
     """Per-token loss -min(rho wA, clip(rho, 1 - eps_low, 1 + eps_high) wA), and where the clip is active.
     adv_BC is the per-token advantage w_it * A_i (OC-GRPO section 2.4: the weight scales A, not rho)."""
+    # differs from grpo.py: a per-token advantage adv_BC instead of adv_B; equal when adv_BC = adv_B[:, None]
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
     unclipped = -ratio_BC * adv_BC
     clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_BC
@@ -381,12 +381,10 @@ def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: sizes, seeding, run folder
     rank, world, device = init_distributed(args.device)
+    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    ckpt = open_checkpoint(args.resume, rank, world)
     args.batch_size = args.num_prompts * args.group_size
-    if args.batch_size % args.num_minibatches:
-        raise SystemExit(f"error: batch size {args.batch_size} is not divisible by num_minibatches {args.num_minibatches}")
     args.minibatch_size = args.batch_size // args.num_minibatches
-    if args.group_size < 2:
-        raise SystemExit("error: group_size must be at least 2 (a group baseline needs two samples)")
     if not args.prefix_fractions or not all(0 <= f <= 1 for f in args.prefix_fractions):
         raise SystemExit(f"error: --prefix-fractions {args.prefix_fractions}: give one or more fractions in [0, 1]")
     if not 0 < args.is_clip_min <= 1:
@@ -424,21 +422,10 @@ def main(args: Args) -> dict:
     sampler = PromptSampler(rows, args.seed + rank)
 
     start_step, first_eval = 0, None
-    if args.resume:
-        ckpt = find_checkpoint(run_dir)
-        if ckpt is None:
-            raise SystemExit(f"error: --resume {args.resume}: no checkpoint found in that folder")
-        state = load_trainer_state(ckpt)
-        model.load_state_dict(load_model(ckpt, args.dtype, device).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
+    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
+        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
         start_step, first_eval = state["step"], state.get("first_eval")
         engine.sync_weights(model)
-        if rank == 0:
-            truncate_metrics(run_dir, start_step)
-            print(f"resumed {run_dir} from step {start_step}")
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
@@ -462,14 +449,14 @@ def main(args: Args) -> dict:
             p, tokenizer, solution_prefix=solution_prefix(p.solution, f))], args.max_prompt_tokens)[0]
             for x, p, f in zip(prompt_ids, problems, fracs)]
         t0 = time.time()
-        rollouts = engine.generate(sample_ids, n=G, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens)
+        sampled = engine.generate(sample_ids, n=G, temperature=args.temperature, top_p=args.top_p,
+                                  max_new_tokens=args.max_new_tokens)
         t_gen = time.time() - t0
 
         # 2. Rewards from the verifier
         t0 = time.time()
         group_problems = [p for p in problems for _ in range(args.group_size)]
-        correct = score(rollouts.texts, group_problems)
+        correct = score(sampled.texts, group_problems)
         unguided_B = torch.tensor([f is None for f in fracs]).repeat_interleave(G)
         first_correct_B = torch.tensor(correct)
         t_score = time.time() - t0
@@ -480,7 +467,7 @@ def main(args: Args) -> dict:
         failed = [g for g in range(len(problems)) if fracs[g] is None and not any(correct[g * G : (g + 1) * G])]
         rescued = guidance_cascade(engine, tokenizer, problems, failed, G, args) if args.guidance == "adaptive" else {}
         fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
-        batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(rollouts))]
+        batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(sampled))]
         batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok) for c, ok in zip(r[2], r[3])]
                                                  for g, r in rescued.items()}, G)
         guided_B = torch.tensor([f is not None for f in fracs]).repeat_interleave(G)
@@ -548,14 +535,15 @@ def main(args: Args) -> dict:
                 all_reduce_grads(model)
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                 optimizer.step()
-            scheduler.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
         engine.sync_weights(model)
         t_update = time.time() - t0
 
         # TRY NOT TO MODIFY: metrics (names documented in README.md)
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
-        gen_tokens = rollouts.lengths_B.sum().item()
+        gen_tokens = sampled.lengths_B.sum().item()  # the first generation's, over its own time
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": first_correct_B[unguided_B].float().mean().item() if unguided_B.any() else 0.0,
@@ -563,7 +551,7 @@ def main(args: Args) -> dict:
             "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
             "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
             "policy/entropy": sums["policy/entropy"] / n_tok,
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": scheduler.get_last_lr()[0],
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
             "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
             "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
             "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
@@ -591,10 +579,8 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if rank == 0 and ((args.save_every and step % args.save_every == 0) or step == args.total_steps):
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer,
-                            {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-                             "first_eval": first_eval})
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
 
     final_eval = run_eval()
     logger.log(args.total_steps, final_eval)

@@ -22,9 +22,9 @@ The paper's three fixes for small models, all here:
   naive_adapter` loads the adapter the naive way (frozen) to reproduce the bug; the check catches it.
 - precision: policy, reference and value head are float32 in PPO; generation passes through a logits guard
   (NaN/inf -> finite, clamp to [-100, 100]).
-- safety envelope: RM scores NaN/inf -> 0, running whitening and a 3-sigma clip; a ratio guard that skips a
-  mini-batch (policy and value loss) whose mean token ratio exceeds 5; weight rollback to the last healthy
-  trainable weights (and optimizer state) when any becomes non-finite, stopping after 5 rollbacks.
+- safety envelope: RM scores NaN/inf -> 0, running whitening and a 3-sigma clip; a ratio guard that zeroes the
+  policy and value loss of a mini-batch whose mean token ratio exceeds 5 (as TRL 0.9.6: the step is still taken);
+  rollback to the last healthy trainable weights and optimizer state when any becomes non-finite (5 at most).
 
 Embedded default (CPU, offline): base `testbed-weak`, level-3 sums (`Q:7+5+3+4\\nA:` -> `19`); a short LoRA SFT
 on the answers; preference pairs chosen = the correct answer, rejected = a corrupted one (near miss, far off,
@@ -45,7 +45,7 @@ plus `rm/score_mean`, `rm/score_std` (raw RM scores of the rollouts),
 `rm/pair_accuracy` (held-out pairs, logged at step 0), `loss/value`, `value/clip_frac`, `policy/kl_ref`
 (summed per-sequence KL(old || ref), the controller's input), `kl/beta`, `safety/nonfinite_scores`,
 `safety/logit_fixes` (non-finite logits replaced in generation), `safety/max_ratio`,
-`safety/ratio_guard_skips` (mini-batches skipped this step), `safety/rollbacks` (cumulative),
+`safety/ratio_guard_skips` (mini-batches whose loss the guard zeroed this step), `safety/rollbacks` (cumulative),
 `eval/rm_score`, `eval/win_rate_rm` (PPO sample beats the SFT sample on the same prompt, ties 1/2),
 `eval/win_rate_rm_analytic` (the paper's Phi(delta / sqrt(var_ppo + var_sft))), `eval/win_rate_verifier`.
 
@@ -201,7 +201,7 @@ class Args:
     whiten_rewards: bool = True
     """scale per-token rewards by their batch std before GAE (no mean shift, as TRL)"""
     ratio_guard: bool = True
-    """skip a mini-batch's policy and value loss when its mean token ratio exceeds --ratio-threshold"""
+    """multiply a mini-batch's policy and value loss by 0 when its mean ratio > --ratio-threshold (TRL: still steps)"""
     ratio_threshold: float = 5.0
     """ratio guard threshold"""
     rollback: bool = True
@@ -401,7 +401,7 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
     #                 + c_v max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -eps_v, eps_v) - R_t)^2) / 2 ] / sum_t m_t
     b = {k: v[rows].to(logp_BC.device) for k, v in batch.items()}
     mask_BC, adv_BC, ret_BC, old_values_BC = b["mask_BC"], b["adv_BC"], b["returns_BC"], b["values_BC"]
-    ratio_BC = torch.exp(logp_BC - b["old_logp_BC"])
+    ratio_BC = torch.exp(logp_BC - b["old_logp_BC"])  # pg_BC: grpo.py's clipped_surrogate with clip_low = clip_high
     pg_BC = torch.maximum(-adv_BC * ratio_BC, -adv_BC * ratio_BC.clamp(1 - args.clip_range, 1 + args.clip_range))
     v_clipped_BC = old_values_BC + (values_BC - old_values_BC).clamp(-args.vf_clip, args.vf_clip)
     vf_BC = 0.5 * torch.maximum((values_BC - ret_BC) ** 2, (v_clipped_BC - ret_BC) ** 2)
@@ -411,6 +411,7 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
         stats = {"ratio_sum": (ratio_BC * mask_BC).sum().item(),
                  "max_ratio": (ratio_BC * mask_BC).max().item(),
                  "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(),
+                 # differs from grpo.py: TRL's clip fraction |rho - 1| > eps, whatever the sign of A
                  "policy/clip_frac": (((ratio_BC - 1).abs() > args.clip_range).float() * mask_BC).sum().item(),
                  "value/clip_frac": (((values_BC - old_values_BC).abs() > args.vf_clip).float() * mask_BC).sum().item(),
                  "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item()}
@@ -635,15 +636,14 @@ def main(args: Args) -> dict:
                 max_ratio = max(max_ratio, stats.pop("max_ratio"))
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
-                if args.ratio_guard and not mean_ratio <= args.ratio_threshold:
-                    skips += 1  # policy and value loss of this mini-batch multiplied by 0: no step at all
-                    continue
+                guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
+                skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                (loss * 0.0 if guarded else loss).backward()
                 all_reduce_grads(actor_critic)
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
                 optimizer.step()
-                n_updates += 1
+                n_updates += not guarded
         if step == args.inject_inf_weight_step:
             with torch.no_grad():
                 next(iter(lm_params.values()) if lm_params else iter(trainable.values())).view(-1)[0] = float("inf")

@@ -1,4 +1,5 @@
-"""Run folder, metrics (console, JSONL, wandb), learning curve, checkpoints and resume.
+"""Run folder, metrics (console, JSONL, wandb), learning curve, checkpoints, resume, and the flag checks
+every trainer shares.
 
     runs/<run_name>/
         args.json          the resolved arguments
@@ -14,10 +15,12 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 CONSOLE_KEYS = ("reward/mean", "train/accuracy", "adv/frac_zero_std", "loss/policy", "policy/entropy",
                 "rollout/completion_len", "perf/step_time", "eval/greedy_accuracy")
@@ -31,8 +34,16 @@ class RunLogger:
         if not enabled:  # non-zero ranks under torchrun
             return
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
+        path, now = os.path.join(run_dir, "args.json"), json.loads(json.dumps(dataclasses.asdict(args)))
+        if getattr(args, "resume", "") and os.path.exists(path):  # a resumed run keeps its original args.json
+            with open(path) as f:
+                saved = json.load(f)
+            changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if k != "resume" and saved.get(k) != v]
+            if changed:
+                print("note: resuming with flags that differ from args.json: " + ", ".join(changed))
+        else:
+            with open(path, "w") as f:
+                json.dump(now, f, indent=2)
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if getattr(args, "track", False):
             import wandb
@@ -71,9 +82,23 @@ def _plain(v):
     return v
 
 
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(path: str, where: str = "") -> list[dict]:
+    """Rows of a metrics.jsonl. A last line cut short by a crash (no newline) is skipped; any other bad line is a
+    one-line error."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            row = "bad"
+        if row is None or (row == "bad" and i == len(lines)):
+            continue
+        if not (isinstance(row, dict) and "step" in row):
+            fail(f"{where + ': ' if where else ''}{path} line {i} is not a metrics row")
+        rows.append(row)
+    return rows
 
 
 def plot_curve(metrics_path: str, out_path: str) -> None:
@@ -99,8 +124,38 @@ def plot_curve(metrics_path: str, out_path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints and resume
 # ----------------------------------------------------------------------------------------
+# One checkpoint folder per run, written by rank 0: the model (save_pretrained), tokenizer, trainer_state.pt
+# (step, world size, optimizer, scheduler and whatever the trainer adds) and rank{r}_state.pt for every rank r
+# (that rank's Python/NumPy/torch RNG states and its prompt sampler), so that under torchrun each rank continues
+# its own random stream and data order.
+
+KILL_AFTER_SAVE = "TINYPOST_TEST_KILL_AFTER_SAVE"
+"""tests: SIGKILL the process right after the checkpoint of this step is written (a deterministic crash point)"""
+
+
+def fail(msg: str):
+    raise SystemExit(f"error: {msg}")
+
+
+def check_run_args(args, min_group_size: int = 2) -> None:
+    """Flags that contradict each other, shared by the group-sampling trainers: a one-line error before any work."""
+    batch = args.num_prompts * args.group_size
+    for name in ("num_prompts", "group_size", "total_steps", "num_iterations", "num_minibatches", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.group_size < min_group_size:
+        fail(f"--group-size {args.group_size} must be at least {min_group_size} (a group baseline needs two samples)")
+    if batch % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch} rollouts "
+             "(--num-prompts x --group-size)")
+    if args.eval_samples > 0 and args.eval_pass_k > args.eval_samples:
+        fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
+             "(pass@k is estimated from that many samples per problem)")
+    if getattr(args, "tis", "none") != "none" and args.rollout_backend != "vllm":
+        fail(f"--tis {args.tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
+             "samples from the trainer itself (use --rollout-backend vllm)")
 
 
 def rng_state() -> dict:
@@ -116,20 +171,33 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, extra: dict | None = None) -> str:
-    """Write run_dir/checkpoint atomically: a crash mid-write leaves the previous one intact."""
+def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, sampler,
+                    extra: dict | None = None) -> str | None:
+    """Called by every rank. Rank 0 writes run_dir/checkpoint atomically (a crash mid-write leaves the previous
+    one intact), with each rank's RNG states and sampler gathered into rank{r}_state.pt."""
+    own = {"rng": rng_state(), "sampler": sampler.state_dict()}
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    owns = [own] if world == 1 else [None] * world
+    if world > 1:
+        dist.gather_object(own, owns if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return None
     final = os.path.join(run_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), **(extra or {})},
-               os.path.join(tmp, "trainer_state.pt"))
+    for r, state in enumerate(owns):
+        torch.save(state, os.path.join(tmp, f"rank{r}_state.pt"))
+    torch.save({"step": step, "world_size": world, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), **(extra or {})}, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+    if os.environ.get(KILL_AFTER_SAVE) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
     return final
 
 
@@ -142,14 +210,74 @@ def find_checkpoint(run_dir: str) -> str | None:
     return None
 
 
-def load_trainer_state(path: str) -> dict:
-    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or ['no details'])[0][:160]}"
+
+
+def _load(path: str, where: str) -> dict:
+    try:
+        state = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as e:  # empty, truncated or not a torch file
+        fail(f"{where}: {path} is truncated or corrupt ({_first_line(e)})")
+    if not isinstance(state, dict):
+        fail(f"{where}: {path} is not a trainer state")
+    return state
+
+
+def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
+    """Read and check a --resume folder before any work: one-line errors for a missing folder, no checkpoint,
+    a truncated or corrupt trainer_state.pt, missing weights, a world size other than the saved one, or a
+    corrupt metrics.jsonl. None without --resume."""
+    if not resume:
+        return None
+    run_dir, where = resume.rstrip("/"), f"--resume {resume}"
+    if not os.path.isdir(run_dir):
+        fail(f"{where}: no such folder")
+    path = find_checkpoint(run_dir)
+    if path is None:
+        fail(f"{where}: no checkpoint in that folder (expected {os.path.join(run_dir, 'checkpoint')}/trainer_state.pt, "
+             "written every --save-every steps and at the end)")
+    state = _load(os.path.join(path, "trainer_state.pt"), where)
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+        fail(f"{where}: {os.path.join(path, 'model.safetensors')} is missing")
+    saved_world = state.get("world_size", 1)
+    if saved_world != world:
+        fail(f"{where}: the checkpoint was written by {saved_world} process(es) and this run has {world}; each rank's "
+             f"RNG and sampler state is saved per rank, so resume with the same number of processes")
+    own_path = os.path.join(path, f"rank{rank}_state.pt")
+    own = _load(own_path, where) if os.path.exists(own_path) or "rng" not in state else state  # older single-file form
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        read_metrics(metrics, where)
+    return {"run_dir": run_dir, "path": path, "state": state, "own": own, "rank": rank, "where": where}
+
+
+def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device: str) -> dict:
+    """Load a checkpoint opened by open_checkpoint: weights, optimizer, scheduler, this rank's sampler and RNG
+    states; then (rank 0) drop the metric rows logged after it. Returns trainer_state.pt (step, first_eval, ...)."""
+    from common.models import load_model
+
+    state, own, where = ckpt["state"], ckpt["own"], ckpt["where"]
+    try:
+        model.load_state_dict(load_model(ckpt["path"], dtype, device).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(own["sampler"])
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        fail(f"{where}: {ckpt['path']} does not fit this run ({_first_line(e)})")
+    set_rng_state(own["rng"])
+    if ckpt["rank"] == 0:
+        truncate_metrics(ckpt["run_dir"], state["step"])
+        print(f"resumed {ckpt['run_dir']} from step {state['step']}")
+    return state
 
 
 def truncate_metrics(run_dir: str, last_step: int) -> None:
-    """Drop metric rows logged after the checkpoint we resume from (they will be logged again)."""
+    """Drop metric rows logged after the checkpoint we resume from (they will be logged again); the file is
+    replaced atomically, so a crash here loses nothing."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         rows = [r for r in read_metrics(path) if r["step"] <= last_step]
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(path + ".tmp", path)

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import redirect_stdout
 from dataclasses import fields
 
@@ -15,7 +14,7 @@ import torch
 import tyro
 
 import grpo
-from common.logger import read_metrics
+from common.logger import KILL_AFTER_SAVE, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "16", "--num-eval-problems", "8",
@@ -71,20 +70,15 @@ def test_short_run_raises_reward_and_changes_every_parameter(tmp_path, weak_mode
 
 
 def test_resume_after_kill_continues_from_the_checkpoint(tmp_path, weak_model_dir):
+    """The child kills itself right after the checkpoint of step 4 is written (a fixed point, not a race)."""
     cmd = [sys.executable, "grpo.py", *TINY, "--total-steps", "8", "--save-every", "2", "--output-dir",
            str(tmp_path), "--run-name", "killed"]
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state = run_dir / "checkpoint" / "trainer_state.pt"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if state.exists() and torch.load(state, weights_only=False)["step"] >= 4:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    saved = torch.load(state, weights_only=False)["step"]
-    assert 2 <= saved < 8
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, KILL_AFTER_SAVE: "4"}, capture_output=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    saved = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    assert saved == 4
+    assert [x["step"] for x in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in x] == [1, 2, 3, 4]
     out = grpo.main(_args(tmp_path, "--total-steps", "8", "--save-every", "2", "--resume", str(run_dir)))
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert steps == list(range(1, 9)), steps  # nothing lost, nothing repeated

@@ -104,3 +104,134 @@ def test_gradients_do_not_depend_on_micro_batch_size(tiny_model_dir, loss_agg):
         assert loss == pytest.approx(full_loss, rel=1e-5)
         for name, g in full.items():
             assert torch.allclose(grads[name], g, atol=1e-6, rtol=1e-4), name
+
+
+# ----------------------------------------------------------------------------------------
+# The copies of these functions in the other trainers: equal to grpo.py's wherever they are meant to be, and
+# every difference marked in the source ("# differs from grpo.py: ...") and showing exactly where stated.
+# ----------------------------------------------------------------------------------------
+
+import ast  # noqa: E402
+import inspect  # noqa: E402
+import textwrap  # noqa: E402
+
+import direct_opd  # noqa: E402
+import oc_grpo  # noqa: E402
+import ppo_slm  # noqa: E402
+import rloo_sec  # noqa: E402
+
+COPIES = [  # (name in grpo.py, module, its name there)
+    ("group_advantages", oc_grpo, "group_advantages"), ("group_advantages", direct_opd, "group_advantages"),
+    ("kl_penalty", oc_grpo, "kl_penalty"), ("kl_penalty", direct_opd, "kl_penalty"),
+    ("clipped_surrogate", rloo_sec, "clipped_surrogate"), ("clipped_surrogate", oc_grpo, "clipped_surrogate"),
+    ("clipped_surrogate", direct_opd, "topk_clipped_surrogate"), ("clipped_surrogate", ppo_slm, "ppo_loss"),
+    ("aggregate", rloo_sec, "aggregate"), ("aggregate", oc_grpo, "aggregate"), ("aggregate", direct_opd, "aggregate"),
+]
+MARK = "# differs from grpo.py"
+
+
+def _code(fn) -> str:
+    """The function's code without its docstring and comments."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    if isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant):
+        tree.body = tree.body[1:]
+    return "\n".join(ast.dump(node) for node in tree.body)
+
+
+@pytest.mark.parametrize("name, module, copy", COPIES, ids=[f"{m.__name__}.{c}" for _, m, c in COPIES])
+def test_copies_that_differ_from_grpo_say_so(name, module, copy):
+    fn = getattr(module, copy)
+    same = copy == name and _code(fn) == _code(getattr(grpo, name))
+    assert (MARK in inspect.getsource(fn)) == (not same), f"{module.__name__}.{copy}: mark it iff it differs"
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    rewards_PG = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 0.0, 0.0]])
+    logp_BC = -torch.rand(4, 6, generator=g) * 3
+    old_BC = logp_BC + torch.randn(4, 6, generator=g) * 0.4
+    old_BC[0, 0] = logp_BC[0, 0] + 30.0  # a ratio of e^-30, outside direct_opd's clamp of the log-ratio
+    old_BC[1, 0] = logp_BC[1, 0] - 2.0  # a ratio of e^2 > 3 with a negative advantage: direct_opd's dual clip
+    ref_BC = logp_BC + torch.linspace(-4, 4, 24).view(4, 6)  # d = logp - ref in [-4, 4]: k3 up to e^4 - 5 = 49.6
+    adv_B = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    mask_BC = (torch.rand(4, 6, generator=g) > 0.3).float()
+    return rewards_PG, logp_BC, old_BC, ref_BC, adv_B, mask_BC
+
+
+def test_group_advantages_agree():
+    r = _inputs()[0]
+    for mode in ("group_std", "group_mean", "batch_std"):
+        a, z = grpo.group_advantages(r, mode, 1e-6)
+        b, y = oc_grpo.group_advantages(r, mode, 1e-6)
+        assert torch.equal(a, b) and torch.equal(z, y), mode
+    a, z = grpo.group_advantages(r, "group_std", 1e-6)
+    b, y = direct_opd.group_advantages(r, 1e-6)  # marked: group_std only
+    assert torch.equal(a, b) and torch.equal(z, y)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalty_agrees_except_direct_opds_k3_clamp(estimator):
+    _, logp, _, ref, _, _ = _inputs()
+    want = grpo.kl_penalty(logp, ref, estimator)
+    assert torch.equal(oc_grpo.kl_penalty(logp, ref, estimator), want)
+    got = direct_opd.kl_penalty(logp, ref, estimator)
+    if estimator != "k3":
+        assert torch.equal(got, want)
+    else:  # marked: clamped to [-10, 10], and equal wherever the estimate is inside that range
+        assert (want > 10).any()
+        assert torch.equal(got, want.clamp(-10, 10))
+        assert torch.equal(got[want <= 10], want[want <= 10])
+
+
+@pytest.mark.parametrize("clip_low, clip_high", [(0.2, 0.2), (0.2, 0.28)])
+def test_clipped_surrogate_agrees(clip_low, clip_high):
+    _, logp, old, _, adv, mask = _inputs()
+    want, want_clip = grpo.clipped_surrogate(logp, old, adv, clip_low, clip_high)
+    for got, clip in (rloo_sec.clipped_surrogate(logp, old, adv, clip_low, clip_high),
+                      oc_grpo.clipped_surrogate(logp, old, adv[:, None].expand_as(logp), clip_low, clip_high)):
+        assert torch.equal(got, want) and torch.equal(clip, want_clip)
+    # direct_opd (marked): per top-K entry (K = 1 here); the log-ratio clamp and the dual clip (c = 3) where A < 0
+    got, clip = direct_opd.topk_clipped_surrogate(logp[..., None], old[..., None], adv[:, None, None].expand(4, 6, 1),
+                                                  clip_low, clip_high, 3.0)
+    got, clip = got[..., 0], clip[..., 0]
+    ratio = torch.exp(logp - old)
+    adv_BC = adv[:, None].expand_as(logp)
+    dual = (adv_BC < 0) & (want > -adv_BC * 3.0)
+    clamped = (logp - old).abs() > 20
+    assert dual.any() and clamped.any()
+    plain = ~dual & ~clamped
+    assert torch.allclose(got[plain], want[plain], rtol=1e-6, atol=0) and torch.equal(clip[plain], want_clip[plain])
+    assert torch.allclose(got[dual], (-adv_BC * 3.0)[dual])
+    small = torch.exp(torch.tensor(-20.0))  # the ratio e^-30 counts as e^-20
+    assert torch.allclose(got[clamped], torch.maximum(-adv_BC * small, -adv_BC * small.clamp(1 - clip_low))[clamped])
+    assert ratio[clamped].max() < small
+
+
+def test_ppo_slm_policy_loss_is_grpos_surrogate():
+    """ppo_slm's policy term is grpo.py's clipped surrogate with one clip range, summed over tokens / tokens;
+    its policy/clip_frac (marked) is TRL's |rho - 1| > eps."""
+    _, logp, old, _, adv, mask = _inputs()
+    adv_BC = adv[:, None] * torch.linspace(0.5, 1.5, 6)  # per-token advantages (GAE)
+    values = torch.zeros_like(logp)
+    batch = dict(mask_BC=mask, adv_BC=adv_BC, returns_BC=values, values_BC=values, old_logp_BC=old)
+    args = ppo_slm.Args(clip_range=0.2)
+    n_tok = mask.sum().item()
+    loss, stats = ppo_slm.ppo_loss(logp, values, batch, torch.arange(4), args, n_tok)
+    want, want_clip = oc_grpo.clipped_surrogate(logp, old, adv_BC, 0.2, 0.2)
+    assert loss.item() == pytest.approx((want * mask).sum().item() / n_tok, rel=1e-6)
+    trl_clip = ((torch.exp(logp - old) - 1).abs() > 0.2).float()
+    assert stats["policy/clip_frac"] == pytest.approx((trl_clip * mask).sum().item())
+    assert (trl_clip * mask).sum() > (want_clip * mask).sum()  # the two definitions differ on these inputs
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "constant"])
+def test_aggregate_agrees(mode):
+    _, logp, _, _, _, mask = _inputs()
+    want = grpo.aggregate(logp, mask, mode, 17.0, 3.0, 6)
+    assert torch.equal(oc_grpo.aggregate(logp, mask, mode, 17.0, 3.0, 6), want)
+    assert torch.equal(rloo_sec.aggregate(logp, mask, mode, 17.0, 3.0, 6), want)
+    if mode == "token_mean":  # direct_opd (marked): token_mean only
+        assert torch.equal(direct_opd.aggregate(logp, mask, 17.0), want)
+    # rloo_sec's extra mode (marked): sum over tokens and sequences / sequences
+    assert rloo_sec.aggregate(logp, mask, "seq_sum", 17.0, 3.0, 6).item() == pytest.approx(
+        (logp * mask).sum().item() / 3.0)

@@ -151,10 +151,31 @@ def test_cascade_picks_the_lowest_rescuing_fraction_and_replaces_the_whole_group
         oc_grpo.replace_groups(rows, {0: rows[:2]}, 3)  # never a partial group
 
 
-def test_smoke_run_guides_failed_groups_and_trains_on_the_unguided_prompt(tmp_path, weak_model_dir):
+def test_smoke_run_guides_failed_groups_and_trains_on_the_unguided_prompt(tmp_path, weak_model_dir, monkeypatch):
+    # the real engine, watched: the tokens of each step's first (unguided, sampled) generation
+    first_gen_tokens, make_engine = [], oc_grpo.make_engine
+
+    def watched_engine(*a, **k):
+        engine = make_engine(*a, **k)
+        generate, tok = engine.generate, a[2]
+
+        def watch(prompts, n=1, **kw):
+            out = generate(prompts, n=n, **kw)
+            if not kw.get("greedy") and "Ref:" not in tok.decode(prompts[0]):  # not eval, not the cascade
+                first_gen_tokens.append(out.lengths_B.sum().item())
+            return out
+        engine.generate = watch
+        return engine
+
+    monkeypatch.setattr(oc_grpo, "make_engine", watched_engine)
     out = oc_grpo.main(_args(tmp_path, "--total-steps", "2", "--levels", "4", "--run-name", "smoke"))
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    # perf/gen_tokens_per_s: the first generation's tokens over its own time, not the trained (re-attached) batch's
+    assert len(first_gen_tokens) == 2
+    for r, n in zip(rows, first_gen_tokens):
+        assert r["perf/gen_tokens_per_s"] * r["time/generate"] == pytest.approx(n, rel=1e-6)
+    assert any(r["rollout/completion_len"] * 16 != n for r, n in zip(rows, first_gen_tokens))  # the two differ here
     assert sum(r["guide/rescued_groups"] for r in rows) > 0  # level 4 with G=4: some groups fail, some are rescued
     for r in rows:
         assert r["guide/rescued_groups"] <= r["guide/zero_reward_groups"] <= 4

@@ -107,6 +107,19 @@ def test_huge_ratio_trips_the_guard(faulty_runs):
     assert _steps(off)[3]["safety/ratio_guard_skips"] == 0
 
 
+def test_ratio_guard_zeroes_the_loss_and_still_steps_as_trl(stages, tmp_path):
+    """TRL 0.9.6 semantics: a guarded mini-batch's loss is multiplied by 0 and the optimizer still steps, so at step 2,
+    where every mini-batch is guarded, Adam's momentum from step 1 still moves the weights."""
+    model, paths, _ = stages
+    one = ppo_slm.main(_args(tmp_path, model, *paths, "--total-steps", "1", "--run-name", "one"))
+    two = ppo_slm.main(_args(tmp_path, model, *paths, "--total-steps", "2", "--inject-ratio-step", "2",
+                             "--run-name", "two"))
+    row = _steps(two)[2]
+    assert row["safety/ratio_guard_skips"] == 2 * (8 // 4) and row["optim/grad_norm"] == 0.0  # zero gradients
+    a, b = (load_file(os.path.join(o["run_dir"], "ppo_adapter", "adapter_model.safetensors")) for o in (one, two))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
 def test_rollbacks_stop_training_after_the_limit(stages, tmp_path):
     model, paths, _ = stages
     out = ppo_slm.main(_args(tmp_path, model, *paths, "--inject-inf-weight-step", "1", "--max-rollbacks", "1",

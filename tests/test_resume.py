@@ -1,0 +1,186 @@
+"""Shared trainer plumbing: resume (single process and torchrun, each rank its own RNG and data stream), the
+learning-rate warmup counted in optimizer steps, and one-line errors for bad --resume folders and contradicting
+flags, with nothing already written in the run folder lost."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import tyro
+
+import direct_opd
+import grpo
+import oc_grpo
+import rloo_sec
+from common.data import PromptSampler, load_problems
+from common.logger import KILL_AFTER_SAVE, read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
+        "--eval-samples", "0", "--eval-every", "0"]
+
+
+def _rows(run_dir) -> dict:
+    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r}
+
+
+def _torchrun(tmp_path, *extra, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *TINY,
+           "--total-steps", "4", "--save-every", "2", "--output-dir", str(tmp_path), *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_dir):
+    """2 processes (gloo): killed right after the checkpoint of step 2 and resumed, the run logs the same steps 3-4
+    as an uninterrupted one; each rank saved and restored its own RNG state, and the ranks draw different problems."""
+    straight = _torchrun(tmp_path, "--run-name", "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _torchrun(tmp_path, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
+    assert killed.returncode != 0
+    run_dir = tmp_path / "killed"
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
+    resumed = _torchrun(tmp_path, "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in (3, 4):
+        for key in ("reward/mean", "rollout/completion_len", "optim/lr"):
+            assert got[s][key] == ref[s][key], (s, key)
+        assert got[s]["loss/policy"] == pytest.approx(ref[s]["loss/policy"], abs=1e-6), s
+        assert got[s]["optim/grad_norm"] == pytest.approx(ref[s]["optim/grad_norm"], rel=1e-5), s
+    # each rank's own state, and the problems each rank draws next from it (its sampler is seeded by seed + rank)
+    ckpt = run_dir / "checkpoint"
+    own = [torch.load(ckpt / f"rank{r}_state.pt", weights_only=False) for r in (0, 1)]
+    assert not torch.equal(own[0]["rng"]["torch"], own[1]["rng"]["torch"])
+    assert own[0]["rng"]["python"] != own[1]["rng"]["python"]
+    problems = load_problems("testbed", "train", (3,), 0, 1)
+    draws = []
+    for r in (0, 1):
+        sampler = PromptSampler(problems, 1 + r)
+        sampler.load_state_dict(own[r]["sampler"])
+        draws.append([p.uid for p in sampler.next(2)])
+    assert draws[0] != draws[1]
+
+
+def test_a_different_world_size_is_refused(tmp_path, weak_model_dir):
+    out = grpo.main(tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), *TINY, "--total-steps", "1",
+                                              "--run-name", "one"]))
+    state_path = os.path.join(out["run_dir"], "checkpoint", "trainer_state.pt")
+    state = torch.load(state_path, weights_only=False)
+    torch.save({**state, "world_size": 2}, state_path)
+    with pytest.raises(SystemExit, match=r"^error: --resume .*written by 2 process\(es\) and this run has 1"):
+        grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--total-steps", "2", "--resume", out["run_dir"]]))
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "direct_opd"])
+def test_warmup_counts_optimizer_steps(tmp_path, tiny_model_dir, trainer):
+    """Two mini-batches per step and --warmup-steps 4: optimizer steps use 1/4, 2/4 | 3/4, 4/4 | 1, 1 of the peak;
+    optim/lr is the rate of the step's last update."""
+    module = {"grpo": grpo, "rloo_sec": rloo_sec, "oc_grpo": oc_grpo, "direct_opd": direct_opd}[trainer]
+    extra = ["--teacher-pre", tiny_model_dir, "--teacher-post", tiny_model_dir] if trainer == "direct_opd" else []
+    args = tyro.cli(module.Args, args=["--output-dir", str(tmp_path), *TINY, "--model-name", tiny_model_dir, *extra,
+                                       "--num-minibatches", "2", "--warmup-steps", "4", "--learning-rate", "1e-3",
+                                       "--total-steps", "3", "--run-name", "warm", "--levels", "1"])
+    out = module.main(args)
+    rows = _rows(out["run_dir"])
+    assert [rows[s]["optim/lr"] for s in (1, 2, 3)] == pytest.approx([0.5e-3, 1e-3, 1e-3], rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------
+# bad input: --resume folders and contradicting flags
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, weak_model_dir):
+    tmp = tmp_path_factory.mktemp("finished")
+    out = grpo.main(tyro.cli(grpo.Args, args=["--output-dir", str(tmp), *TINY, "--total-steps", "2",
+                                              "--save-every", "1", "--run-name", "done"]))
+    return out["run_dir"]
+
+
+def _break(run_dir, how: str) -> None:
+    ckpt = os.path.join(run_dir, "checkpoint")
+    if how == "no_checkpoint":
+        shutil.rmtree(ckpt)
+    elif how == "empty_state":
+        open(os.path.join(ckpt, "trainer_state.pt"), "wb").close()
+    elif how == "truncated_state":
+        path = os.path.join(ckpt, "trainer_state.pt")
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    elif how == "no_weights":
+        os.remove(os.path.join(ckpt, "model.safetensors"))
+    elif how == "bad_metrics_line":
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write("{not json\n{\"step\": 9}\n")
+
+
+@pytest.mark.parametrize("how, message", [
+    ("missing_folder", r"no such folder"),
+    ("no_checkpoint", r"no checkpoint in that folder"),
+    ("empty_state", r"trainer_state.pt is truncated or corrupt"),
+    ("truncated_state", r"trainer_state.pt is truncated or corrupt"),
+    ("no_weights", r"model.safetensors is missing"),
+    ("other_model", r"does not fit this run"),
+    ("bad_metrics_line", r"metrics.jsonl line \d+ is not a metrics row"),
+])
+def test_bad_resume_folder_is_one_line_error_and_loses_nothing(tmp_path, finished_run, tiny_model_dir, how, message):
+    run_dir = str(tmp_path / "run")
+    if how == "missing_folder":
+        run_dir = str(tmp_path / "nowhere")
+    else:
+        shutil.copytree(finished_run, run_dir)
+        _break(run_dir, how)
+    before = {f: open(os.path.join(run_dir, f), "rb").read() for f in ("metrics.jsonl", "args.json")
+              if os.path.exists(os.path.join(run_dir, f))}
+    model = ["--model-name", tiny_model_dir] if how == "other_model" else []
+    with pytest.raises(SystemExit) as e:
+        grpo.main(tyro.cli(grpo.Args, args=[*TINY, *model, "--total-steps", "4", "--resume", run_dir]))
+    text = str(e.value.code)
+    assert text.startswith(f"error: --resume {run_dir}: ") and "\n" not in text, text
+    assert __import__("re").search(message, text), text
+    after = {f: open(os.path.join(run_dir, f), "rb").read() for f in before}
+    assert after == before
+
+
+def test_resume_keeps_args_json_and_skips_a_row_cut_short_by_a_crash(tmp_path, finished_run, capsys):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(finished_run, run_dir)
+    args_before = open(os.path.join(run_dir, "args.json")).read()
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "reward/me')  # a kill in the middle of a write
+    grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--total-steps", "3", "--resume", run_dir]))
+    assert sorted(_rows(run_dir)) == [1, 2, 3]
+    assert open(os.path.join(run_dir, "args.json")).read() == args_before
+    assert "total_steps 2 -> 3" in capsys.readouterr().out
+
+
+CONTRADICTIONS = [  # (trainer, flags, message); the model does not exist: the flags must be checked first
+    ("grpo", ["--tis", "token"], r"--tis token corrects a separate sampler's mismatch"),
+    ("grpo", ["--num-minibatches", "3"], r"--num-minibatches 3 does not divide the batch of 4"),
+    ("grpo", ["--group-size", "1"], r"--group-size 1 must be at least 2"),
+    ("grpo", ["--eval-samples", "2", "--eval-pass-k", "4"], r"--eval-pass-k 4 is larger than --eval-samples 2"),
+    ("grpo", ["--micro-batch-size", "0"], r"--micro-batch-size 0 must be at least 1"),
+    ("rloo_sec", ["--group-size", "1"], r"--group-size 1 must be at least 2"),
+    ("rloo_sec", ["--eval-samples", "2", "--eval-pass-k", "3"], r"--eval-pass-k 3 is larger than --eval-samples 2"),
+    ("oc_grpo", ["--num-minibatches", "3"], r"--num-minibatches 3 does not divide"),
+    ("direct_opd", ["--reward", "direct_plus_grpo", "--group-size", "1"], r"--group-size 1 must be at least 2"),
+    ("direct_opd", ["--num-minibatches", "3"], r"--num-minibatches 3 does not divide"),
+]
+
+
+@pytest.mark.parametrize("trainer, flags, message", CONTRADICTIONS)
+def test_contradicting_flags_fail_before_any_work(tmp_path, trainer, flags, message):
+    module = {"grpo": grpo, "rloo_sec": rloo_sec, "oc_grpo": oc_grpo, "direct_opd": direct_opd}[trainer]
+    missing = str(tmp_path / "no-model")
+    args = tyro.cli(module.Args, args=["--output-dir", str(tmp_path), *TINY, "--model-name", missing, *flags])
+    with pytest.raises(SystemExit, match="^error: " + message) as e:
+        module.main(args)
+    assert "\n" not in str(e.value.code)
+    assert os.listdir(tmp_path) == []  # no run folder was created
