@@ -1,0 +1,643 @@
+"""MADA-RL: Multi-Agent Debate-Aware RL with LoRA generators and critics (arXiv 2607.18006).
+
+One frozen base model carries N generator and M critic LoRA adapters, switched by name; only the
+active adapter receives gradients, and each adapter trains on its own disjoint split of the data.
+
+    Stage 1  generator n: GRPO on R = 2 R_acc + R_len                 (group z-score advantage)
+    Stage 2  critic data: the trained generators answer each critic problem; acc_G = mean_n R_acc(y^_n, y)
+    Stage 3  critic m: policy gradient on x' = [proposals ; x] with A_C = R_C - 2 acc_G  (counterfactual)
+             (--no-counterfactual: the GRPO group z-score of R_C instead)
+
+    R_acc = 1[y^ == y]
+    lam   = 0.5 - (len(y^) - min_i len(y^_i)) / (max_i len(y^_i) - min_i len(y^_i))    (min/max over the group)
+    R_len = lam if correct else min(0, lam)          (0 for the whole group when all lengths are equal)
+
+Deployment (`debate`): round 1 the generators answer x; rounds 2..R the critics answer x with the
+previous round's answers shown as proposals; the reported accuracy is the paper's rule, the mean over
+critics of the final round's correctness (the majority vote of the final round is reported beside it).
+
+Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume and data
+parallelism (the three stages are short and sequential; rerun a stage by rerunning the script).
+A_C is used as is (no running-std rescaling). Length is counted in completion tokens (eos included).
+
+    python mada_rl.py                                    # embedded CPU demo, about 10 minutes on 2 cores
+    python mada_rl.py --eval-debate runs/mada_rl__1__X   # the debate again from a finished run's adapters
+    python mada_rl.py --model-name deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dataset my_math.jsonl \\
+        --eval-dataset my_math_test.jsonl --device cuda --dtype bfloat16 --max-new-tokens 4096 --lora-r 16 \\
+        --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
+"""
+
+import inspect
+import json
+import os
+import random
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, load_problems, render_prompt
+from common.logger import RunLogger, check_run_args, fail
+from common.models import load_model, load_tokenizer
+from common.rollout import completion_logprobs, make_engine
+from common.testbed import render_testbed_prompt
+from common.verifiers import extract_answer, score
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (prefix of the run folder)"""
+    seed: int = 1
+    """seed of python, numpy and torch (and of the data splits)"""
+    run_name: str = ""
+    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    eval_debate: str = ""
+    """path of a finished run folder: load its adapters and only run the held-out debate (no training)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
+    wandb_project: str = "tinypost"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    device: str = "cpu"
+    """torch device ('cpu', 'cuda')"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the frozen base weights (the LoRA weights follow it)"""
+
+    # Model and data
+    model_name: str = "testbed-weak"
+    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+    dataset: str = "testbed"
+    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
+    dataset_config: str | None = None
+    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split used for training (Hugging Face datasets)"""
+    eval_dataset: str = ""
+    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
+    eval_split: str = "test"
+    """split used for held-out evaluation"""
+    levels: tuple[int, ...] = (3,)
+    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
+    question_field: str | None = None
+    """record field holding the question (auto-detected when unset)"""
+    answer_field: str | None = None
+    """record field holding the final answer (auto-detected when unset)"""
+    solution_field: str | None = None
+    """record field holding a reference solution (optional)"""
+    num_train_problems: int = 1200
+    """training problems before the split into N + M disjoint parts (0: all; testbed: 500 per level)"""
+    max_prompt_tokens: int = 0
+    """truncate prompts to their last N tokens (0: never)"""
+
+    # Agents
+    num_generators: int = 3
+    """N: generator adapters (round 1 of the debate)"""
+    num_critics: int = 3
+    """M: critic adapters (rounds 2..R)"""
+    lora_r: int = 8
+    """LoRA rank of every adapter (the paper: 16 on a 1.5B model)"""
+    lora_alpha: int = 16
+    """LoRA alpha (scale alpha / r)"""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """modules that get a LoRA (Qwen2 / LLaMA names: every linear projection, as in the paper)"""
+
+    # Rollouts
+    rollout_backend: Literal["hf", "hf_generate"] = "hf"
+    """generation engine: 'hf' (a KV-cache sampling loop on the live weights and active adapter) or
+    'hf_generate' (plain model.generate)"""
+    num_prompts: int = 16
+    """prompts per step"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
+    max_new_tokens: int = 8
+    """completion length cap; completions without eos are 'truncated'"""
+    proposal_temperature: float = 1.0
+    """Stage 2: temperature at which the trained generators answer the critics' problems (0: greedy)"""
+
+    # Optimisation
+    generator_steps: int = 80
+    """Stage 1: GRPO steps per generator"""
+    critic_steps: int = 80
+    """Stage 3: policy-gradient steps per critic"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate of the LoRA weights (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over each rollout batch"""
+    num_iterations: int = 1
+    """PPO epochs over each rollout batch"""
+    micro_batch_size: int = 32
+    """rows per forward/backward; gradients do not depend on it"""
+
+    # Algorithm
+    counterfactual: bool = True
+    """critic advantage A_C = R_C - 2 acc_G; --no-counterfactual: GRPO group z-score of R_C (the ablation)"""
+    acc_weight: float = 2.0
+    """weight of R_acc in R = w R_acc + R_len (and of acc_G in the counterfactual baseline); the paper: 2"""
+    adv_eps: float = 1e-6
+    """eps in the group z-score denominator (std is the biased, numpy-style one)"""
+    clip_low: float = 0.2
+    """ratio clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """ratio clipped above at 1 + clip_high"""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """token_mean: sum / tokens in the mini-batch; seq_mean_token_mean: mean over sequences of per-sequence means;
+    constant: sum / (sequences x max_new_tokens)"""
+
+    # Evaluation
+    debate_rounds: int = 2
+    """R: debate rounds at deployment (1: generators only; the paper's main setting: 2)"""
+    num_eval_problems: int = 200
+    """held-out problems per evaluation"""
+    eval_samples: int = 0
+    """unused by the debate (greedy answers); kept at 0 so the shared flag checks pass"""
+    eval_pass_k: int = 0
+    """unused by the debate (greedy answers)"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """rollouts per step = num_prompts * group_size"""
+    minibatch_size: int = 0
+    """rollouts per optimizer step = batch_size // num_minibatches"""
+    total_steps: int = 0
+    """generator_steps * num_generators + critic_steps * num_critics"""
+
+
+# ALGO LOGIC: the length reward, the MADA reward and the two advantages
+def length_reward(correct_PG: torch.Tensor, lengths_PG: torch.Tensor) -> torch.Tensor:
+    """R_len of each completion, min-max normalised over its group; never positive when wrong.
+
+    >>> length_reward(torch.tensor([[1., 1., 0., 0.]]), torch.tensor([[2, 4, 2, 4]]))
+    tensor([[ 0.5000, -0.5000,  0.0000, -0.5000]])
+    """
+    lengths_PG = lengths_PG.float()
+    lo_P1, hi_P1 = lengths_PG.min(1, keepdim=True).values, lengths_PG.max(1, keepdim=True).values
+    span_P1 = hi_P1 - lo_P1
+    lam_PG = torch.where(span_P1 > 0, 0.5 - (lengths_PG - lo_P1) / span_P1.clamp(min=1e-9), torch.zeros_like(lengths_PG))
+    return torch.where(correct_PG > 0, lam_PG, lam_PG.clamp(max=0.0))
+
+
+def mada_reward(correct_PG: torch.Tensor, lengths_PG: torch.Tensor, acc_weight: float = 2.0) -> torch.Tensor:
+    """R = w R_acc + R_len (w = 2 in the paper), for generators and critics alike."""
+    return acc_weight * correct_PG + length_reward(correct_PG, lengths_PG)
+
+
+def group_advantages(rewards_PG: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO advantage (r - mean_G) / (std_G + eps) and whether the group had zero reward std."""
+    mean_P1 = rewards_PG.mean(1, keepdim=True)
+    std_P1 = rewards_PG.std(1, unbiased=False, keepdim=True)
+    zero_std_P = (rewards_PG.max(1).values - rewards_PG.min(1).values) == 0
+    return (rewards_PG - mean_P1) / (std_P1 + eps), zero_std_P
+
+
+def counterfactual_advantages(rewards_PG: torch.Tensor, acc_g_P: torch.Tensor, acc_weight: float = 2.0) -> torch.Tensor:
+    """A_C = R_C - w acc_G: the baseline is the generators' per-instance accuracy, not the group mean.
+
+    >>> counterfactual_advantages(torch.tensor([[2., 0.]]), torch.tensor([1 / 3]))
+    tensor([[ 1.3333, -0.6667]])
+    """
+    return rewards_PG - acc_weight * acc_g_P.unsqueeze(1)
+
+
+def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: float):
+    """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
+    ratio_BC = torch.exp(logp_BC - old_logp_BC)
+    adv_B1 = adv_B.unsqueeze(1)
+    unclipped = -ratio_BC * adv_B1
+    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch."""
+    summed_B = (token_loss_BC * mask_BC).sum(1)
+    if mode == "token_mean":
+        return summed_B.sum() / max(num_tokens, 1.0)
+    if mode == "seq_mean_token_mean":
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+    if mode == "constant":
+        return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+    """Policy-gradient loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
+    device = next(model.parameters()).device
+    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    mask_BC = batch["mask_BC"][rows].to(device)
+    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+                                              with_entropy=True)
+    old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
+    pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
+                                          args.clip_low, args.clip_high)
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    loss = agg(pg_BC)
+    with torch.no_grad():
+        log_ratio = logp_BC - old_logp_BC
+        stats = {
+            "loss/policy": loss.item(),
+            "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+        }
+    return loss, stats
+
+
+# Agents: one frozen base, N + M LoRA adapters switched by name
+def agent_names(num_generators: int, num_critics: int) -> tuple[list[str], list[str]]:
+    return [f"gen{n}" for n in range(num_generators)], [f"critic{m}" for m in range(num_critics)]
+
+
+def make_agents(base, names: list[str], args: Args):
+    """The base model wrapped with one fresh LoRA adapter per name (B = 0: every agent starts as the base)."""
+    from peft import LoraConfig, get_peft_model
+
+    def config():
+        return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                          target_modules=list(args.lora_target_modules))
+
+    try:
+        model = get_peft_model(base, config(), adapter_name=names[0])
+    except ValueError as e:
+        fail(f"--lora-target-modules {' '.join(args.lora_target_modules)}: {str(e).splitlines()[0]}")
+    for name in names[1:]:
+        model.add_adapter(name, config())
+    use_adapter(model, names[0])
+    return model
+
+
+def adapter_params(model, name: str) -> dict:
+    """The LoRA tensors of adapter `name` (peft names them `...lora_A.<name>.weight`)."""
+    return {n: p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n}
+
+
+def use_adapter(model, name: str) -> None:
+    """Make `name` the active adapter (generation and forward use it) and the only trainable tensors."""
+    model.set_adapter(name)
+    mine = set(adapter_params(model, name))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in mine)
+
+
+def split_problems(problems: list, k: int, seed: int) -> list[list]:
+    """k disjoint parts (by question text; duplicate questions are dropped first), shuffled with `seed`."""
+    seen, unique = set(), []
+    for p in problems:
+        if p.question not in seen:
+            seen.add(p.question)
+            unique.append(p)
+    random.Random(f"mada-split-{seed}").shuffle(unique)
+    return [unique[i::k] for i in range(k)]
+
+
+def proposal_text(completion: str, problem) -> str:
+    """The answer a proposal shows to a critic: the bare answer on the testbed, the extracted final answer else."""
+    if problem.task == "testbed":
+        return " ".join(completion.split())[:16]
+    return extract_answer(completion) or "(no final answer)"
+
+
+def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
+    """x' = the other agents' answers, then the question (testbed: `Prop:17\\nProp:16\\nQ:...\\nA:`)."""
+    if problem.task == "testbed":
+        if "proposals" in inspect.signature(render_testbed_prompt).parameters:
+            return render_testbed_prompt(problem.question, proposals=proposals)
+        return "".join(f"Prop:{a}\n" for a in proposals) + f"Q:{problem.question}\nA:"
+    header = "Answers proposed by other agents:\n" + "\n".join(f"- {a}" for a in proposals) + "\n\n"
+    return render_prompt(problem, tokenizer, template=header.replace("{", "{{").replace("}", "}}") + MATH_TEMPLATE)
+
+
+# Deployment: the multi-round debate
+@torch.no_grad()
+def debate(model, engine, tokenizer, problems: list, generators: list[str], critics: list[str], rounds: int,
+           max_new_tokens: int, max_prompt_tokens: int = 0) -> list[list[list[str]]]:
+    """answers[r][a][i]: round r's agent a's greedy answer to problem i (round 0: generators, then critics)."""
+    answers = []
+    for r in range(rounds):
+        if r == 0:
+            texts = [render_prompt(p, tokenizer) for p in problems]
+        else:
+            texts = [render_critic_prompt(p, [proposal_text(a[i], p) for a in answers[-1]], tokenizer)
+                     for i, p in enumerate(problems)]
+        prompt_ids = encode_prompts(tokenizer, texts, max_prompt_tokens)
+        round_answers = []
+        for name in generators if r == 0 else critics:
+            use_adapter(model, name)
+            round_answers.append(engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True).texts)
+        answers.append(round_answers)
+    return answers
+
+
+def majority(answers: list[str], problem) -> str:
+    """The most common answer (ties: the one given first)."""
+    keys = [proposal_text(a, problem) for a in answers]
+    best = Counter(keys).most_common(1)[0][1]
+    return next(a for a, k in zip(answers, keys) if keys.count(k) == best)
+
+
+def debate_metrics(answers: list[list[list[str]]], problems: list, num_generators: int) -> dict:
+    """Held-out accuracy of a single generator, the generators' majority vote and the debate, by acc_G bucket.
+
+    acc_G (round 1) buckets are named acc_g_{k}of{N}: k of the N generators right.
+    improvement rate: among problems whose generator majority is wrong, the fraction of final critic answers
+    that are right; break rate: among problems whose majority is right, the fraction of final answers wrong.
+    """
+    P = len(problems)
+    gen_correct_NP = np.array([score(a, problems) for a in answers[0]])
+    final_correct_MP = np.array([score(a, problems) for a in answers[-1]])
+    maj_gen_P = np.array(score([majority([a[i] for a in answers[0]], p) for i, p in enumerate(problems)], problems))
+    maj_final_P = np.array(score([majority([a[i] for a in answers[-1]], p) for i, p in enumerate(problems)], problems))
+    debate_P = final_correct_MP.mean(0)
+    out = {
+        "mada/eval/single_accuracy": float(gen_correct_NP.mean()),
+        "mada/eval/majority_accuracy": float(maj_gen_P.mean()),
+        "mada/eval/debate_accuracy": float(debate_P.mean()),
+        "mada/eval/debate_majority_accuracy": float(maj_final_P.mean()),
+        "mada/eval/improvement_rate": float(debate_P[maj_gen_P == 0].mean()) if (maj_gen_P == 0).any() else 0.0,
+        "mada/eval/break_rate": float(1 - debate_P[maj_gen_P == 1].mean()) if (maj_gen_P == 1).any() else 0.0,
+    }
+    for n in range(num_generators):
+        out[f"mada/eval/single_accuracy/gen{n}"] = float(gen_correct_NP[n].mean())
+    k_P = gen_correct_NP.sum(0).round().astype(int)
+    for k in range(num_generators + 1):
+        sel = k_P == k
+        out[f"mada/eval/frac/acc_g_{k}of{num_generators}"] = float(sel.mean())
+        if sel.any():
+            out[f"mada/eval/debate_accuracy/acc_g_{k}of{num_generators}"] = float(debate_P[sel].mean())
+    out["eval/greedy_accuracy"] = out["mada/eval/debate_accuracy"]  # the curve plot's key
+    out["mada/eval/problems"] = P
+    return out
+
+
+def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, logger, step0: int,
+                stage: int, agent: int) -> int:
+    """GRPO (stage 1) or the critic policy gradient (stage 3) on one adapter; returns the last global step.
+
+    records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3)."""
+    use_adapter(model, name)
+    params = list(adapter_params(model, name).values())
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    sampler = PromptSampler(records, args.seed + 1000 * stage + agent)
+    steps = args.generator_steps if stage == 1 else args.critic_steps
+    bar = tqdm(range(1, steps + 1), desc=f"{args.exp_name} {name}")
+    step = step0
+    for i in bar:
+        step = step0 + i
+        t_step = time.time()
+        # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x)
+        batch_records = sampler.next(args.num_prompts)
+        if stage == 1:
+            problems, texts = batch_records, [render_prompt(p, tokenizer) for p in batch_records]
+        else:
+            problems = [r[0] for r in batch_records]
+            texts = [render_critic_prompt(p, props, tokenizer) for p, props, _ in batch_records]
+        prompt_ids = encode_prompts(tokenizer, texts, args.max_prompt_tokens)
+        t0 = time.time()
+        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens)
+        t_gen = time.time() - t0
+
+        # 2. Rewards: R = 2 R_acc + R_len, the length term normalised within each group
+        t0 = time.time()
+        group_problems = [p for p in problems for _ in range(args.group_size)]
+        correct_PG = torch.tensor(score(rollouts.texts, group_problems)).view(-1, args.group_size)
+        len_PG = length_reward(correct_PG, rollouts.lengths_B.view(-1, args.group_size))
+        rewards_PG = args.acc_weight * correct_PG + len_PG
+        t_score = time.time() - t0
+
+        # ALGO LOGIC: 3. advantages: group z-score (generators, ablated critics) or A_C = R_C - 2 acc_G (critics)
+        adv_PG, zero_std_P = group_advantages(rewards_PG, args.adv_eps)
+        acc_g_P = None
+        if stage == 3:
+            acc_g_P = torch.tensor([r[2] for r in batch_records], dtype=torch.float32)
+            if args.counterfactual:
+                adv_PG = counterfactual_advantages(rewards_PG, acc_g_P, args.acc_weight)
+        adv_B = adv_PG.flatten()
+        mask_BC = rollouts.completion_mask_BC.clone()
+
+        # 4. old log-probs only when the ratio can differ from 1
+        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+        old_logp_BC = None
+        if needs_old:
+            with torch.no_grad():
+                old_logp_BC = torch.cat([completion_logprobs(model, rollouts.input_ids_BT[r], rollouts.attention_mask_BT[r],
+                                                             rollouts.prompt_len, args.temperature)[0]
+                                         for r in torch.arange(args.batch_size).split(args.micro_batch_size)])
+        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B, old_logp_BC=old_logp_BC)
+
+        # 5. Update of the active adapter only
+        t0 = time.time()
+        sums, grad_norms = {}, []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+            for mb in order.split(args.minibatch_size):
+                norm = {"tokens": mask_BC[mb].sum().item(),
+                        "seqs": float((mask_BC[mb].sum(1) > 0).sum()) if args.loss_agg == "seq_mean_token_mean"
+                        else float(len(mb))}
+                optimizer.zero_grad(set_to_none=True)
+                for rows in mb.split(args.micro_batch_size):
+                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
+                    loss.backward()
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
+                optimizer.step()
+        t_update = time.time() - t0
+
+        # metrics: grpo.py's names plus mada/*
+        n_updates = args.num_iterations * args.num_minibatches
+        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
+        lengths_PG = rollouts.lengths_B.float().view(-1, args.group_size)
+        metrics = {
+            "reward/mean": rewards_PG.mean().item(), "reward/std": rewards_PG.std(unbiased=False).item(),
+            "train/accuracy": correct_PG.mean().item(),
+            "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
+            "loss/policy": sums["loss/policy"] / n_updates,
+            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
+            "policy/entropy": sums["policy/entropy"] / n_tok,
+            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": args.learning_rate,
+            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
+            "perf/gen_tokens_per_s": rollouts.lengths_B.sum().item() / max(t_gen, 1e-9),
+            "time/generate": t_gen, "time/score": t_score, "time/update": t_update,
+            "perf/peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
+            "mada/stage": stage, "mada/agent": agent,
+            "mada/len_reward": len_PG.mean().item(), "mada/adv_mean": adv_B.mean().item(),
+            "mada/correct_len": (lengths_PG * correct_PG).sum().item() / max(correct_PG.sum().item(), 1.0),
+        }
+        if acc_g_P is not None:
+            metrics["mada/acc_g"] = acc_g_P.mean().item()
+            metrics["mada/beats_generators"] = (correct_PG.mean(1) - acc_g_P).mean().item()
+        metrics["perf/step_time"] = time.time() - t_step
+        logger.log(step, metrics, bar)
+    return step
+
+
+def critic_records(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[tuple]:
+    """Stage 2: (problem, the generators' answers, acc_G) for each critic problem."""
+    prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
+    outs = []
+    for name in generators:
+        use_adapter(model, name)
+        greedy = args.proposal_temperature <= 0
+        outs.append(engine.generate(prompt_ids, n=1, temperature=max(args.proposal_temperature, 1e-6),
+                                    top_p=args.top_p, max_new_tokens=args.max_new_tokens, greedy=greedy).texts)
+    correct_NP = np.array([score(o, problems) for o in outs])
+    return [(p, [proposal_text(o[i], p) for o in outs], float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
+
+
+def print_table(rows: dict) -> None:
+    keys = ("single_accuracy", "majority_accuracy", "debate_accuracy", "debate_majority_accuracy",
+            "improvement_rate", "break_rate")
+    print(f"{'held-out (greedy)':<28}" + "".join(f"{k:>14}" for k in rows))
+    for k in keys:
+        print(f"{k:<28}" + "".join(f"{r[f'mada/eval/{k}']:>14.3f}" for r in rows.values()))
+
+
+def load_run_agents(run_dir: str, args: Args, device: str):
+    """The base model of a finished run with its saved adapters (for --eval-debate)."""
+    from peft import PeftModel
+
+    adir = os.path.join(run_dir, "adapters")
+    if not os.path.isdir(adir):
+        fail(f"--eval-debate {run_dir}: no adapters/ folder (not a finished mada_rl.py run folder)")
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"--eval-debate {run_dir}: cannot read args.json ({type(e).__name__})")
+    names = sorted(d for d in os.listdir(adir) if os.path.isfile(os.path.join(adir, d, "adapter_config.json")))
+    generators = sorted((n for n in names if n.startswith("gen")), key=lambda s: int(s[3:]))
+    critics = sorted((n for n in names if n.startswith("critic")), key=lambda s: int(s[6:]))
+    if not generators or (args.debate_rounds > 1 and not critics):
+        fail(f"--eval-debate {run_dir}: adapters/ holds {names or 'nothing'}; need gen* and critic* adapters")
+    tokenizer = load_tokenizer(saved["model_name"])
+    model = None
+    for name in generators + critics:
+        path = os.path.join(adir, name)
+        if model is None:
+            model = PeftModel.from_pretrained(load_model(saved["model_name"], args.dtype, device), path,
+                                              adapter_name=name)
+        else:
+            model.load_adapter(path, adapter_name=name)
+    return model, tokenizer, generators, critics, saved
+
+
+def main(args: Args) -> dict:
+    # sizes, seeding, run folder
+    args.batch_size = args.num_prompts * args.group_size
+    args.minibatch_size = args.batch_size // max(args.num_minibatches, 1)
+    args.total_steps = args.generator_steps * args.num_generators + args.critic_steps * args.num_critics
+    for name in ("num_generators", "debate_rounds"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.num_critics < 1 and args.debate_rounds > 1:
+        fail(f"--num-critics {args.num_critics}: rounds 2..{args.debate_rounds} of the debate need critics")
+    if args.generator_steps < 0 or args.critic_steps < 0:
+        fail("--generator-steps and --critic-steps must be at least 0")
+    check_run_args(dataclass_copy(args, total_steps=max(args.total_steps, 1)))
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = args.device
+    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
+                   answer_field=args.answer_field, solution_field=args.solution_field)
+
+    if args.eval_debate:  # deployment only, from a finished run folder
+        model, tokenizer, generators, critics, saved = load_run_agents(args.eval_debate.rstrip("/"), args, device)
+        eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
+                                      args.num_eval_problems, args.seed, **fields_)
+        engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
+        res = debate_metrics(debate(model, engine, tokenizer, eval_problems, generators, critics, args.debate_rounds,
+                                    args.max_new_tokens, args.max_prompt_tokens), eval_problems, len(generators))
+        print_table({"trained": res})
+        return {"after": res, "run_dir": args.eval_debate}
+
+    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    tokenizer = load_tokenizer(args.model_name)
+    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
+                                   **fields_)
+    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
+                                  args.num_eval_problems, args.seed, **fields_)
+    generators, critics = agent_names(args.num_generators, args.num_critics)
+    splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
+    if min(len(s) for s in splits) < args.num_prompts:
+        fail(f"--num-train-problems {args.num_train_problems}: {len(train_problems)} problems split {len(splits)} ways "
+             f"leave {min(len(s) for s in splits)} per agent, fewer than --num-prompts {args.num_prompts}")
+    base = load_model(args.model_name, args.dtype, device)
+    base_params = sum(p.numel() for p in base.parameters())
+    model = make_agents(base, generators + critics, args)
+    per_agent = sum(p.numel() for p in adapter_params(model, generators[0]).values())
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
+    logger = RunLogger(args, run_dir)
+    params_info = {"mada/trainable_params_per_agent": per_agent,
+                   "mada/trainable_params_total": per_agent * (args.num_generators + args.num_critics),
+                   "mada/base_params": base_params,
+                   "mada/split_sizes": [len(s) for s in splits]}
+
+    def run_eval():
+        return debate_metrics(debate(model, engine, tokenizer, eval_problems, generators, critics, args.debate_rounds,
+                                     args.max_new_tokens, args.max_prompt_tokens), eval_problems, args.num_generators)
+
+    t_start = time.time()
+    first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model
+    logger.log(0, {**first_eval, **params_info})
+
+    # Stage 1: generators, each on its own split
+    step = 0
+    for n, name in enumerate(generators):
+        step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, stage=1, agent=n)
+    mid_eval = run_eval()  # trained generators, untrained critics
+    logger.log(step, mid_eval)
+
+    # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
+    stage2 = {}
+    for m, name in enumerate(critics):
+        records = critic_records(model, engine, tokenizer, splits[args.num_generators + m], generators, args)
+        acc = np.array([r[2] for r in records])
+        stage2.update({f"mada/critic_data/{name}/acc_g_mean": float(acc.mean()),
+                       **{f"mada/critic_data/{name}/frac_acc_g_{k}of{args.num_generators}":
+                          float((np.round(acc * args.num_generators) == k).mean())
+                          for k in range(args.num_generators + 1)}})
+        step = train_agent(model, engine, tokenizer, name, records, args, logger, step, stage=3, agent=m)
+    final_eval = run_eval()
+    final_eval["mada/train_time_s"] = time.time() - t_start
+    logger.log(step, {**final_eval, **stage2})
+    logger.close()
+    model.save_pretrained(os.path.join(run_dir, "adapters"))  # adapters/gen0, ..., adapters/critic{M-1}
+
+    print_table({"base": first_eval, "generators": mid_eval, "trained": final_eval})
+    print(f"trainable parameters: {per_agent:,} per agent, {params_info['mada/trainable_params_total']:,} in all "
+          f"({args.num_generators + args.num_critics} adapters) vs {base_params:,} for full fine-tuning of one model; "
+          f"{final_eval['mada/train_time_s']:.0f} s; run folder {run_dir}")
+    return {"before": first_eval, "generators": mid_eval, "after": final_eval, "stage2": stage2,
+            "params": params_info, "run_dir": run_dir}
+
+
+def dataclass_copy(args: Args, **changes) -> Args:
+    import dataclasses
+
+    return dataclasses.replace(args, **changes)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,192 @@
+"""mada_rl.py: the length reward, the counterfactual critic advantage on the four agreement buckets,
+adapter switching (only the active adapter receives gradients), disjoint data splits, the critic prompt,
+the debate's final-answer rule, --help, and a short in-process run of all three stages."""
+
+import io
+import json
+import os
+from contextlib import redirect_stdout
+from dataclasses import fields
+
+import pytest
+import torch
+import tyro
+
+import mada_rl
+from common.data import load_problems
+from common.logger import read_metrics
+from common.models import load_model
+from common.testbed import Problem
+
+
+# The length reward: lam = 0.5 - (len - min) / (max - min) within the group; wrong answers never gain
+def test_length_reward_cases():
+    correct = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0, 0.0]])
+    lengths = torch.tensor([[2, 3, 4, 2, 3, 4]])
+    r = mada_rl.length_reward(correct, lengths)
+    # correct: shortest +0.5, middle 0, longest -0.5; wrong: shortest clipped to 0, middle 0, longest -0.5
+    assert torch.allclose(r, torch.tensor([[0.5, 0.0, -0.5, 0.0, 0.0, -0.5]]))
+
+
+def test_length_reward_never_positive_when_wrong():
+    torch.manual_seed(0)
+    correct = (torch.rand(50, 8) < 0.5).float()
+    lengths = torch.randint(1, 9, (50, 8))
+    r = mada_rl.length_reward(correct, lengths)
+    assert (r[correct == 0] <= 0).all()
+    assert (r >= -0.5).all() and (r <= 0.5).all()
+
+
+def test_length_reward_equal_lengths_is_zero_and_groups_are_separate():
+    correct = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    lengths = torch.tensor([[3, 3, 3], [2, 6, 10]])  # group 0: no spread; group 1 normalised on its own
+    r = mada_rl.length_reward(correct, lengths)
+    assert torch.equal(r[0], torch.zeros(3))
+    assert torch.allclose(r[1], torch.tensor([0.5, 0.0, -0.5]))
+
+
+def test_mada_reward_weights_correctness_two_to_one():
+    correct = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    lengths = torch.tensor([[2, 4, 2, 4]])
+    r = mada_rl.mada_reward(correct, lengths)
+    assert torch.allclose(r, torch.tensor([[2.5, 1.5, 0.0, -0.5]]))
+    # a correct answer always beats a wrong one, whatever the lengths
+    assert r[0, :2].min() > r[0, 2:].max()
+
+
+# The counterfactual critic advantage A_C = R_C - 2 acc_G on the four agreement buckets
+@pytest.mark.parametrize("acc_g, right, wrong", [(0.0, 2.0, 0.0), (1 / 3, 4 / 3, -2 / 3),
+                                                  (2 / 3, 2 / 3, -4 / 3), (1.0, 0.0, -2.0)])
+def test_counterfactual_advantage_buckets(acc_g, right, wrong):
+    # one right and one wrong critic answer of equal length (R_len = 0): R_C = 2 and 0
+    correct = torch.tensor([[1.0, 0.0]])
+    rewards = mada_rl.mada_reward(correct, torch.tensor([[3, 3]]))
+    adv = mada_rl.counterfactual_advantages(rewards, torch.tensor([acc_g]))
+    assert torch.allclose(adv, torch.tensor([[right, wrong]]), atol=1e-6)
+
+
+def test_counterfactual_advantage_keeps_length_term_and_differs_from_grpo():
+    correct = torch.tensor([[1.0, 1.0, 1.0, 1.0]])  # all right, consensus all right: only the length term remains
+    rewards = mada_rl.mada_reward(correct, torch.tensor([[2, 3, 4, 4]]))
+    adv = mada_rl.counterfactual_advantages(rewards, torch.tensor([1.0]))
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.0, -0.5, -0.5]]))
+    # all critics right against generators all wrong: the most credit; GRPO gives a zero-std group nothing
+    rewards = mada_rl.mada_reward(correct, torch.tensor([[3, 3, 3, 3]]))
+    assert torch.allclose(mada_rl.counterfactual_advantages(rewards, torch.tensor([0.0])), torch.full((1, 4), 2.0))
+    g_adv, zero = mada_rl.group_advantages(rewards, 1e-6)
+    assert zero.all() and torch.equal(g_adv, torch.zeros(1, 4))
+
+
+# Adapters: switched by name, only the active one receives gradients
+def test_switching_adapters_only_active_gets_gradients(tiny_model_dir):
+    args = mada_rl.Args()
+    gens, critics = mada_rl.agent_names(2, 2)
+    model = mada_rl.make_agents(load_model(tiny_model_dir), gens + critics, args)
+    ids = torch.randint(3, 200, (2, 6))
+    for active in gens + critics:
+        mada_rl.use_adapter(model, active)
+        assert model.active_adapter == active
+        for n, p in model.named_parameters():
+            p.grad = None
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        for name in gens + critics:
+            ps = mada_rl.adapter_params(model, name)
+            assert ps, name
+            has = [p.grad is not None and p.grad.abs().sum().item() > 0 for p in ps.values()]
+            if name == active:
+                assert any(has), f"{active} active but got no gradient"
+            else:
+                assert not any(has), f"{name} got a gradient while {active} was active"
+        base = [p for n, p in model.named_parameters() if "lora_" not in n]
+        assert all(p.grad is None for p in base), "the base model must stay frozen"
+
+
+def test_switching_adapters_changes_outputs(tiny_model_dir):
+    model = mada_rl.make_agents(load_model(tiny_model_dir), ["gen0", "critic0"], mada_rl.Args())
+    ids = torch.randint(3, 200, (1, 5))
+    with torch.no_grad():
+        for p in mada_rl.adapter_params(model, "critic0").values():
+            p.add_(0.5)  # give critic0's B a non-zero value: it now differs from the base
+        mada_rl.use_adapter(model, "gen0")
+        a = model(input_ids=ids).logits
+        mada_rl.use_adapter(model, "critic0")
+        b = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert torch.allclose(a, base, atol=1e-6)  # gen0 is fresh (B = 0)
+    assert not torch.allclose(b, base, atol=1e-3)
+
+
+# Data splits: disjoint, covering, deterministic
+def test_data_splits_are_disjoint():
+    problems = load_problems("testbed", "train", (3,), 300, seed=1)
+    problems = problems + problems[:40]  # repeated questions must not land in two splits
+    splits = mada_rl.split_problems(problems, 6, seed=1)
+    qs = [{p.question for p in s} for s in splits]
+    for i in range(6):
+        for j in range(i + 1, 6):
+            assert not qs[i] & qs[j], (i, j)
+    assert set().union(*qs) == {p.question for p in problems}
+    assert max(map(len, splits)) - min(map(len, splits)) <= 1
+    assert [p.question for p in mada_rl.split_problems(problems, 6, 1)[0]] == [p.question for p in splits[0]]
+
+
+def test_critic_prompt_testbed_format():
+    p = Problem(question="7+5+3+2", answer="17", task="testbed")
+    text = mada_rl.render_critic_prompt(p, ["17", "16", "19"], tokenizer=None)  # the testbed needs no tokenizer
+    assert text == "Prop:17\nProp:16\nProp:19\nQ:7+5+3+2\nA:"
+
+
+def test_debate_metrics_final_rule_and_buckets():
+    problems = [Problem(question=f"q{i}", answer="1", task="testbed") for i in range(4)]
+    gens = [["1", "1", "1", "0"], ["1", "0", "1", "0"], ["1", "0", "0", "0"]]  # acc_G: 1, 1/3, 2/3, 0
+    critics = [["1", "1", "1", "0"], ["1", "0", "1", "1"], ["0", "1", "1", "0"]]
+    m = mada_rl.debate_metrics([gens, critics], problems, 3)
+    assert m["mada/eval/single_accuracy"] == pytest.approx(6 / 12)
+    assert m["mada/eval/majority_accuracy"] == pytest.approx(2 / 4)  # problems 0 and 2
+    assert m["mada/eval/debate_accuracy"] == pytest.approx(8 / 12)  # mean over critics (the paper's rule)
+    assert m["mada/eval/debate_majority_accuracy"] == pytest.approx(3 / 4)
+    assert m["mada/eval/debate_accuracy/acc_g_0of3"] == pytest.approx(1 / 3)
+    assert m["mada/eval/debate_accuracy/acc_g_1of3"] == pytest.approx(2 / 3)
+    assert m["mada/eval/improvement_rate"] == pytest.approx(3 / 6)  # problems 1, 3 (majority wrong)
+    assert m["mada/eval/break_rate"] == pytest.approx(1 / 6)  # problems 0, 2 (majority right)
+
+
+def test_help_documents_every_flag():
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        tyro.cli(mada_rl.Args, args=["--help"])
+    text = out.getvalue()
+    for f in fields(mada_rl.Args):
+        if f.name == "counterfactual":
+            assert "--no-counterfactual" in text
+            continue
+        assert "--" + f.name.replace("_", "-") in text, f.name
+
+
+def test_bad_eval_debate_folder_is_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: --eval-debate .*adapters"):
+        mada_rl.main(tyro.cli(mada_rl.Args, args=["--eval-debate", str(tmp_path)]))
+
+
+# All three stages in process on a tiny random model, then --eval-debate from the run folder
+def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
+    tiny = ["--model-name", tiny_model_dir, "--num-generators", "2", "--num-critics", "2", "--num-prompts", "4",
+            "--group-size", "4", "--max-new-tokens", "4", "--num-eval-problems", "12", "--num-train-problems", "80",
+            "--generator-steps", "2", "--critic-steps", "2", "--lora-r", "4"]
+    args = tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--run-name", "r", *tiny])
+    out = mada_rl.main(args)
+    run_dir = out["run_dir"]
+    for name in ("gen0", "gen1", "critic0", "critic1"):
+        assert os.path.isfile(os.path.join(run_dir, "adapters", name, "adapter_config.json")), name
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    stages = [r["mada/stage"] for r in rows if "mada/stage" in r]
+    assert stages == [1] * 4 + [3] * 4
+    assert all("mada/acc_g" in r for r in rows if r.get("mada/stage") == 3)
+    assert out["params"]["mada/trainable_params_per_agent"] < out["params"]["mada/base_params"]
+    # --eval-debate reproduces the final held-out figures from the saved adapters
+    again = mada_rl.main(tyro.cli(mada_rl.Args, args=["--eval-debate", run_dir, *tiny]))
+    for k in ("mada/eval/single_accuracy", "mada/eval/majority_accuracy", "mada/eval/debate_accuracy"):
+        assert again["after"][k] == pytest.approx(out["after"][k]), k
+    with open(os.path.join(run_dir, "args.json")) as f:
+        assert json.load(f)["counterfactual"] is True
