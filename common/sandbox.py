@@ -187,6 +187,7 @@ elif os.geteuid() == 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
 if mode == "process":
     send({"pid": os.getpid()})
+send({"setup": "ok"})
 
 def read_exact(n):
     buf = b""
@@ -254,6 +255,7 @@ class Proc:
     output_bytes: int = 0
     cpu_s: int = 0
     done: bool = False
+    setup_done: bool = False
     buf: bytes = b""
     eof: set = field(default_factory=set)
 
@@ -301,15 +303,25 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
         os.set_blocking(f.fileno(), False)
     p = Proc(popen, r_fd, popen.stdin.fileno(), uid, mode, scratch, time.monotonic() + limits.run_s,
              run_s=limits.run_s, output_bytes=limits.output_bytes, cpu_s=limits.cpu_s)
-    first = _reply(p, limits, limits.call_s)
-    if "pid" in first:  # the pid to kill (the namespace's init), then the program's verdict
-        p.inner_pid = int(first["pid"])
-        try:
-            sent = _send(p, source, limits.call_s)
-        except OSError:
-            sent = True  # the child is gone; _reply says why
-        first = _reply(p, limits, limits.call_s) if sent else _timed_out(p, limits.call_s)
-    return p, first
+    # setup phase, before any candidate code exists in the child: the pid to kill and "setup done", in either
+    # order (in the namespace modes they come from two processes)
+    setup_s, got = max(limits.call_s, 10.0), {}
+    while len(got) < 2:
+        frame = _reply(p, limits, setup_s)
+        if isinstance(frame.get("pid"), int) and "pid" not in got:
+            got["pid"] = p.inner_pid = frame["pid"]
+        elif frame.get("setup") == "ok" and "setup" not in got:
+            got["setup"] = True
+        else:
+            kill(p)
+            raise RuntimeError(f"sandbox ({mode}) could not start: {frame.get('status')} {frame.get('msg')} "
+                               f"{p.out['stderr'].decode(errors='replace')[-500:]}".strip())
+    p.setup_done = True
+    try:
+        sent = _send(p, source, limits.call_s)
+    except OSError:
+        sent = True  # the child is gone; _reply says why
+    return p, (_reply(p, limits, limits.call_s) if sent else _timed_out(p, limits.call_s))
 
 
 def _count_processes(uid: int) -> int:
@@ -361,7 +373,7 @@ def _reply(p: Proc, limits: Limits, timeout: float) -> dict:
                         reply = json.loads(frame)
                     except (ValueError, RecursionError):
                         return {"status": "wrong_output", "msg": "reply is not JSON"}
-                    if not isinstance(reply, dict) or not ("status" in reply or "pid" in reply):
+                    if not isinstance(reply, dict) or not ({"status", "pid", "setup"} & set(reply)):
                         return {"status": "wrong_output", "msg": "malformed reply"}
                     if "pid" in reply and not isinstance(reply["pid"], int):
                         return {"status": "wrong_output", "msg": "malformed reply"}
@@ -398,8 +410,8 @@ def _died(p: Proc, limits: Limits) -> dict:
     rc, cpu = _reap(p, 1.0)
     kill(p)
     err = p.out["stderr"].decode(errors="replace")
-    if rc == 97 or "sandbox setup:" in err:
-        return {"status": "sandbox_error", "msg": err.strip()[-500:]}
+    if not p.setup_done:  # only the trusted setup code had run: not the candidate's fault
+        return {"status": "sandbox_error", "msg": f"exit code {rc}"}
     if "MemoryError" in err:
         return {"status": "memory_limit", "msg": "MemoryError"}
     if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
@@ -503,7 +515,7 @@ def isolation() -> str:
                 p, first = _start("def solve():\n    return 1\n", Limits(call_s=10.0), "solve", mode)
                 reply, _ = call(p, (), Limits(call_s=10.0)) if first.get("status") == "ready" else (first, 0.0)
                 kill(p)
-            except OSError:
+            except (OSError, RuntimeError):
                 continue
             if reply.get("value") == 1:
                 _ISOLATION["mode"] = mode

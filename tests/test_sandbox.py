@@ -278,7 +278,8 @@ def solve(n):
 def test_exiting_early_with_status_zero_is_not_success():
     for src in ("import sys\nsys.exit(0)\n", "import os\ndef solve(n):\n    os._exit(0)\n",
                 "def solve(n):\n    raise SystemExit(0)\n",
-                "import os\nos.close(0)\ndef solve(n):\n    return 3 * n\n"):
+                "import os\nos.close(0)\ndef solve(n):\n    return 3 * n\n",
+                "import os\nos.write(2, b'sandbox setup: fake\\n')\nos._exit(97)\n"):  # posing as a setup failure
         assert judge(src)[0].status == "runtime_error", src
 
 
