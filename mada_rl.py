@@ -16,6 +16,17 @@ Deployment (`debate`): round 1 the generators answer x; rounds 2..R the critics 
 previous round's answers shown as proposals; the reported accuracy is the paper's rule, the mean over
 critics of the final round's correctness (the majority vote of the final round is reported beside it).
 
+Logged metrics (metrics.jsonl; one global step counter across agents, stage by stage): grpo.py's training
+names (reward/*, train/accuracy, adv/*, loss/policy, policy/*, optim/*, rollout/*, perf/*, time/*) for the
+active agent, plus mada/stage (1 or 3), mada/agent (index within its role), mada/len_reward (mean R_len),
+mada/adv_mean, mada/correct_len (mean tokens of right answers), and for critics mada/acc_g (mean acc_G of the
+batch) and mada/beats_generators (critic accuracy minus acc_G). Held-out, before training, after Stage 1 and
+at the end: mada/eval/single_accuracy (mean over generators; /gen{n} each), mada/eval/majority_accuracy
+(generators' vote), mada/eval/debate_accuracy (the paper's rule; also logged as eval/greedy_accuracy),
+mada/eval/debate_majority_accuracy, mada/eval/improvement_rate and mada/eval/break_rate (see debate_metrics),
+mada/eval/frac/acc_g_{k}of{N} and mada/eval/debate_accuracy/acc_g_{k}of{N} by round-1 agreement bucket,
+mada/trainable_params_per_agent, mada/trainable_params_total, mada/base_params, mada/critic_data/*.
+
 Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume and data
 parallelism (the three stages are short and sequential; rerun a stage by rerunning the script).
 A_C is used as is (no running-std rescaling). Length is counted in completion tokens (eos included).
