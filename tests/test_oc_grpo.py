@@ -175,7 +175,6 @@ def test_smoke_run_guides_failed_groups_and_trains_on_the_unguided_prompt(tmp_pa
     assert len(first_gen_tokens) == 2
     for r, n in zip(rows, first_gen_tokens):
         assert r["perf/gen_tokens_per_s"] * r["time/generate"] == pytest.approx(n, rel=1e-6)
-    assert any(r["rollout/completion_len"] * 16 != n for r, n in zip(rows, first_gen_tokens))  # the two differ here
     assert sum(r["guide/rescued_groups"] for r in rows) > 0  # level 4 with G=4: some groups fail, some are rescued
     for r in rows:
         assert r["guide/rescued_groups"] <= r["guide/zero_reward_groups"] <= 4

@@ -179,7 +179,7 @@ def test_smoke_run_logs_the_bandit_per_arm(tmp_path, weak_model_dir):
     assert rows[0]["sec/prob/arm_1"] == pytest.approx(1 / 3)  # Q starts at 0: uniform
     assert any(r["sec/q/arm_1"] != 0.0 or r["sec/q/arm_2"] != 0.0 or r["sec/q/arm_3"] != 0.0 for r in rows)
     assert "eval/greedy_accuracy/level_3" in out["after"]
-    state = torch.load(os.path.join(out["run_dir"], "checkpoint", "trainer_state.pt"), weights_only=False)
+    state = torch.load(os.path.join(out["run_dir"], "checkpoint", "rank0_state.pt"), weights_only=False)
     assert state["sampler"]["q"] == [rows[-1][f"sec/q/arm_{k}"] for k in (1, 2, 3)]
 
 

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from common import testbed
@@ -16,6 +17,8 @@ def test_suite_is_deterministic_and_splits_are_disjoint():
     assert [p.question for p in testbed.make_suite("train", seed=6)] != [p.question for p in a]
     test_q = {p.question for p in testbed.make_suite("test", n_per_level=300)}
     assert not test_q & {p.question for p in a}
+    calib_q = {p.question for p in testbed.make_suite("calib", levels=(3,), n_per_level=200)}
+    assert len(calib_q) == 200 and not calib_q & test_q  # the warm start's stopping rule never sees held-out questions
 
 
 def test_problem_fields_are_consistent():
@@ -30,7 +33,7 @@ def test_problem_fields_are_consistent():
 
 def test_model_build_is_deterministic_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "a"))
-    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(testbed.RECIPES["testbed-weak"], sft_steps=3))
+    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(testbed.RECIPES["testbed-weak"], sft_steps=3, target=0.0))
     path = testbed.ensure_testbed_model("testbed-weak", progress=False)
     w1 = load_model(path).state_dict()
     monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "b"))
@@ -43,6 +46,20 @@ def test_model_build_is_deterministic_and_rebuilt_when_corrupt(tmp_path, monkeyp
     assert os.path.getsize(os.path.join(path, "model.safetensors")) > 0
 
 
+def test_warm_start_stops_on_calibration_or_fails_clearly(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path))
+    recipe = dict(testbed.RECIPES["testbed-weak"], sft_steps=2, check_every=2, max_steps=6)
+    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(recipe, target=0.0))
+    path = testbed.ensure_testbed_model("testbed-weak", progress=False)
+    with open(os.path.join(path, "TESTBED_DONE.json")) as f:
+        assert json.load(f)["warm_start_steps"] == 2  # the target is met at the first check
+    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(recipe, target=1.01))  # never met: a clear error
+    with pytest.raises(SystemExit, match="did not reach level-3 calibration accuracy"):
+        testbed.ensure_testbed_model("testbed-weak", progress=False)
+
+
 def test_tokenizer_roundtrips_through_autotokenizer(weak_model_dir):
     tok = load_tokenizer(weak_model_dir)
     text = "Hint:12+3=15\nQ:7+5+3\nA:15 é"
@@ -50,13 +67,16 @@ def test_tokenizer_roundtrips_through_autotokenizer(weak_model_dir):
     assert tok.decode(tok(text)["input_ids"]) == text and tok.pad_token_id != tok.eos_token_id
 
 
-def test_warm_started_model_has_headroom_spread_over_levels(weak_model_dir):
+def test_warm_started_model_lands_in_the_calibrated_band(weak_model_dir):
+    """The warm start stops when level-3 accuracy on the calibration quarter reaches 0.45, so on any machine
+    the held-out level-3 accuracy (200 problems, binomial sd 0.035) lands near it: RL has headroom there, the
+    easy level is mastered and the hardest is out of reach."""
     model, tok = load_model(weak_model_dir), load_tokenizer(weak_model_dir)
     acc = {}
     for level in testbed.LEVELS:
-        problems = testbed.make_suite("test", levels=(level,), n_per_level=100)
+        problems = testbed.make_suite("test", levels=(level,), n_per_level=200)
         acc[level] = evaluate(HFEngine(model, tok), tok, problems, max_new_tokens=64)["eval/greedy_accuracy"]
     print(acc)
-    assert acc[1] > 0.8 and acc[5] < 0.1
-    assert 0.25 <= acc[3] <= 0.65  # the default level leaves room for RL
+    assert 0.35 <= acc[3] <= 0.70
+    assert acc[1] >= 0.8 and acc[5] <= 0.1
     assert acc[1] > acc[3] > acc[4] >= acc[5]
