@@ -151,9 +151,9 @@ def render_testbed_prompt(question: str, hints=(), solution_prefix: str | None =
 
 RECIPES = {
     "testbed-weak": dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=450, lr=3e-3, batch=32,
-                         target=0.45, check_every=10, max_steps=1500),
+                         target=0.45, check_every=10, max_steps=3000),
     "testbed-strong": dict(hidden=128, layers=8, heads=4, intermediate=512, sft_steps=450, lr=3e-3, batch=32,
-                           target=0.45, check_every=10, max_steps=1500),
+                           target=0.45, check_every=10, max_steps=3000),
 }
 CALIB_LEVEL, CALIB_PROBLEMS = 3, 200
 """The stopping rule: level-3 greedy accuracy on 200 calibration problems must reach the recipe's target."""
