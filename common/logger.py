@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 CONSOLE_KEYS = ("reward/mean", "train/accuracy", "adv/frac_zero_std", "loss/policy", "policy/entropy",
                 "rollout/completion_len", "perf/step_time", "eval/greedy_accuracy")
@@ -36,8 +37,11 @@ class RunLogger:
         os.makedirs(run_dir, exist_ok=True)
         path, now = os.path.join(run_dir, "args.json"), json.loads(json.dumps(dataclasses.asdict(args)))
         if getattr(args, "resume", "") and os.path.exists(path):  # a resumed run keeps its original args.json
-            with open(path) as f:
-                saved = json.load(f)
+            try:
+                with open(path) as f:
+                    saved = dict(json.load(f))
+            except (ValueError, TypeError):
+                saved = {}
             changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if k != "resume" and saved.get(k) != v]
             if changed:
                 print("note: resuming with flags that differ from args.json: " + ", ".join(changed))
@@ -238,14 +242,26 @@ def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
         fail(f"{where}: no checkpoint in that folder (expected {os.path.join(run_dir, 'checkpoint')}/trainer_state.pt, "
              "written every --save-every steps and at the end)")
     state = _load(os.path.join(path, "trainer_state.pt"), where)
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
-        fail(f"{where}: {os.path.join(path, 'model.safetensors')} is missing")
+    weights = os.path.join(path, "model.safetensors")
+    if os.path.exists(weights):
+        try:
+            with safe_open(weights, "pt"):  # reads the header and checks it against the file size
+                pass
+        except Exception as e:
+            fail(f"{where}: {weights} is truncated or corrupt ({_first_line(e)})")
+    elif not os.path.exists(weights + ".index.json"):  # a sharded checkpoint has an index instead
+        fail(f"{where}: {weights} is missing")
     saved_world = state.get("world_size", 1)
     if saved_world != world:
         fail(f"{where}: the checkpoint was written by {saved_world} process(es) and this run has {world}; each rank's "
              f"RNG and sampler state is saved per rank, so resume with the same number of processes")
     own_path = os.path.join(path, f"rank{rank}_state.pt")
-    own = _load(own_path, where) if os.path.exists(own_path) or "rng" not in state else state  # older single-file form
+    if os.path.exists(own_path):
+        own = _load(own_path, where)
+    elif world == 1 and "rng" in state:  # a checkpoint written before the per-rank files
+        own = state
+    else:
+        fail(f"{where}: {own_path} is missing (this process's RNG and sampler state)")
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         read_metrics(metrics, where)
@@ -263,7 +279,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(own["sampler"])
-    except (RuntimeError, ValueError, KeyError, OSError) as e:
+    except Exception as e:
         fail(f"{where}: {ckpt['path']} does not fit this run ({_first_line(e)})")
     set_rng_state(own["rng"])
     if ckpt["rank"] == 0:

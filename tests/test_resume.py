@@ -3,6 +3,7 @@ learning-rate warmup counted in optimizer steps, and one-line errors for bad --r
 flags, with nothing already written in the run folder lost."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -67,14 +68,13 @@ def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_di
     assert draws[0] != draws[1]
 
 
-def test_a_different_world_size_is_refused(tmp_path, weak_model_dir):
-    out = grpo.main(tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), *TINY, "--total-steps", "1",
-                                              "--run-name", "one"]))
-    state_path = os.path.join(out["run_dir"], "checkpoint", "trainer_state.pt")
-    state = torch.load(state_path, weights_only=False)
-    torch.save({**state, "world_size": 2}, state_path)
+def test_a_different_world_size_is_refused(tmp_path, finished_run, tiny_model_dir):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(finished_run, run_dir)
+    state_path = os.path.join(run_dir, "checkpoint", "trainer_state.pt")
+    torch.save({**torch.load(state_path, weights_only=False), "world_size": 2}, state_path)
     with pytest.raises(SystemExit, match=r"^error: --resume .*written by 2 process\(es\) and this run has 1"):
-        grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--total-steps", "2", "--resume", out["run_dir"]]))
+        grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", tiny_model_dir, "--resume", run_dir]))
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "direct_opd"])
@@ -97,11 +97,26 @@ def test_warmup_counts_optimizer_steps(tmp_path, tiny_model_dir, trainer):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, weak_model_dir):
+def finished_run(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("finished")
-    out = grpo.main(tyro.cli(grpo.Args, args=["--output-dir", str(tmp), *TINY, "--total-steps", "2",
-                                              "--save-every", "1", "--run-name", "done"]))
+    out = grpo.main(tyro.cli(grpo.Args, args=["--output-dir", str(tmp), *TINY, "--model-name", tiny_model_dir,
+                                              "--total-steps", "2", "--save-every", "1", "--run-name", "done"]))
     return out["run_dir"]
+
+
+@pytest.fixture(scope="module")
+def wider_model_dir(tmp_path_factory):
+    """A model with the same tokenizer and other shapes than tiny_model_dir's: its weights do not fit."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from common.testbed import build_tokenizer
+
+    path, tok = str(tmp_path_factory.mktemp("wider")), build_tokenizer()
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
 
 
 def _break(run_dir, how: str) -> None:
@@ -116,6 +131,12 @@ def _break(run_dir, how: str) -> None:
         open(path, "wb").write(data[: len(data) // 2])
     elif how == "no_weights":
         os.remove(os.path.join(ckpt, "model.safetensors"))
+    elif how == "truncated_weights":
+        path = os.path.join(ckpt, "model.safetensors")
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) - 1000])
+    elif how == "no_rank_state":
+        os.remove(os.path.join(ckpt, "rank0_state.pt"))
     elif how == "bad_metrics_line":
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
             f.write("{not json\n{\"step\": 9}\n")
@@ -127,10 +148,13 @@ def _break(run_dir, how: str) -> None:
     ("empty_state", r"trainer_state.pt is truncated or corrupt"),
     ("truncated_state", r"trainer_state.pt is truncated or corrupt"),
     ("no_weights", r"model.safetensors is missing"),
+    ("truncated_weights", r"model.safetensors is truncated or corrupt"),
+    ("no_rank_state", r"rank0_state.pt is missing"),
     ("other_model", r"does not fit this run"),
     ("bad_metrics_line", r"metrics.jsonl line \d+ is not a metrics row"),
 ])
-def test_bad_resume_folder_is_one_line_error_and_loses_nothing(tmp_path, finished_run, tiny_model_dir, how, message):
+def test_bad_resume_folder_is_one_line_error_and_loses_nothing(tmp_path, finished_run, tiny_model_dir, wider_model_dir,
+                                                               how, message):
     run_dir = str(tmp_path / "run")
     if how == "missing_folder":
         run_dir = str(tmp_path / "nowhere")
@@ -139,23 +163,24 @@ def test_bad_resume_folder_is_one_line_error_and_loses_nothing(tmp_path, finishe
         _break(run_dir, how)
     before = {f: open(os.path.join(run_dir, f), "rb").read() for f in ("metrics.jsonl", "args.json")
               if os.path.exists(os.path.join(run_dir, f))}
-    model = ["--model-name", tiny_model_dir] if how == "other_model" else []
+    model = ["--model-name", wider_model_dir if how == "other_model" else tiny_model_dir]
     with pytest.raises(SystemExit) as e:
         grpo.main(tyro.cli(grpo.Args, args=[*TINY, *model, "--total-steps", "4", "--resume", run_dir]))
     text = str(e.value.code)
     assert text.startswith(f"error: --resume {run_dir}: ") and "\n" not in text, text
-    assert __import__("re").search(message, text), text
+    assert re.search(message, text), text
     after = {f: open(os.path.join(run_dir, f), "rb").read() for f in before}
     assert after == before
 
 
-def test_resume_keeps_args_json_and_skips_a_row_cut_short_by_a_crash(tmp_path, finished_run, capsys):
+def test_resume_keeps_args_json_and_skips_a_row_cut_short_by_a_crash(tmp_path, finished_run, tiny_model_dir, capsys):
     run_dir = str(tmp_path / "run")
     shutil.copytree(finished_run, run_dir)
     args_before = open(os.path.join(run_dir, "args.json")).read()
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "reward/me')  # a kill in the middle of a write
-    grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--total-steps", "3", "--resume", run_dir]))
+    grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", tiny_model_dir, "--total-steps", "3",
+                                        "--resume", run_dir]))
     assert sorted(_rows(run_dir)) == [1, 2, 3]
     assert open(os.path.join(run_dir, "args.json")).read() == args_before
     assert "total_steps 2 -> 3" in capsys.readouterr().out
