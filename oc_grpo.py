@@ -32,7 +32,8 @@ fail), guide/rescued_groups and guide/frac_rescued (= rescued / zero-reward), gu
 trained on guided rollouts), guide/groups_at_f<f> (the histogram of chosen prefix fractions) and
 guide/fraction_mean (their mean, 0 when none), is/weight_mean, is/weight_min, is/frac_at_clamp (over the
 guided rows' tokens; 1, 1, 0 when none), time/guidance. train/accuracy is that of the unguided rollouts only
-(before any replacement); reward/* and adv/* describe the batch that is trained on.
+(before any replacement); reward/* and adv/* describe the batch that is trained on; time/generate and
+perf/gen_tokens_per_s count all generation of the step, the cascade's included (which time/guidance also holds).
 
     python oc_grpo.py                                       # embedded CPU demo on testbed level 5 (all-fail groups)
     python oc_grpo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset hard_train.jsonl \\
@@ -349,24 +350,27 @@ def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int)
                     torch.tensor([c[2] for c in completions], dtype=torch.bool))
 
 
-def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args) -> dict:
+def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args) -> tuple[dict, int, float]:
     """For each problem index in `todo`, the lowest prefix fraction whose n guided rollouts contain a success:
-    {index: (fraction, guided prompt ids, completions, correct)}. Indices no fraction rescues are absent."""
-    rescued, pending = {}, [i for i in todo if problems[i].solution]
+    {index: (fraction, guided prompt ids, completions, correct)}. Indices no fraction rescues are absent.
+    Also the completion tokens the cascade generated, and the seconds its generation took."""
+    rescued, pending, tokens, seconds = {}, [i for i in todo if problems[i].solution], 0, 0.0
     for frac in args.prefix_fractions:
         if not pending:
             break
         prompts = encode_prompts(tokenizer, [render_prompt(problems[i], tokenizer, solution_prefix=solution_prefix(
             problems[i].solution, frac)) for i in pending], args.max_prompt_tokens)
+        t0 = time.time()
         out = engine.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens)
+        tokens, seconds = tokens + out.lengths_B.sum().item(), seconds + time.time() - t0
         correct = score(out.texts, [problems[i] for i in pending for _ in range(n)])
         completions = split_completions(out)
         for k, i in enumerate(pending):
             if any(correct[k * n : (k + 1) * n]):
                 rescued[i] = (frac, prompts[k], completions[k * n : (k + 1) * n], correct[k * n : (k + 1) * n])
         pending = [i for i in pending if i not in rescued]
-    return rescued
+    return rescued, tokens, seconds
 
 
 def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
@@ -415,7 +419,7 @@ def main(args: Args) -> dict:
     rows = [(p, None) for p in train_problems]
     if args.guidance == "fixed":
         probe = guidance_cascade(engine, tokenizer, train_problems, list(range(len(train_problems))),
-                                 args.fixed_probe_samples, args)
+                                 args.fixed_probe_samples, args)[0]
         rows += [(train_problems[i], probe[i][0]) for i in sorted(probe)]
         if rank == 0:
             print(f"fixed guidance: {len(probe)}/{len(train_problems)} problems solvable with a prefix")
@@ -465,7 +469,8 @@ def main(args: Args) -> dict:
         # rollouts of the lowest prefix fraction with a success (no success at any fraction: it stays all-zero)
         t0 = time.time()
         failed = [g for g in range(len(problems)) if fracs[g] is None and not any(correct[g * G : (g + 1) * G])]
-        rescued = guidance_cascade(engine, tokenizer, problems, failed, G, args) if args.guidance == "adaptive" else {}
+        rescued, guide_tokens, t_guide_gen = (guidance_cascade(engine, tokenizer, problems, failed, G, args)
+                                              if args.guidance == "adaptive" else ({}, 0, 0.0))
         fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
         batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(sampled))]
         batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok) for c, ok in zip(r[2], r[3])]
@@ -543,7 +548,7 @@ def main(args: Args) -> dict:
         # TRY NOT TO MODIFY: metrics (names documented in README.md)
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
-        gen_tokens = sampled.lengths_B.sum().item()  # the first generation's, over its own time
+        gen_tokens, t_gen = sampled.lengths_B.sum().item() + guide_tokens, t_gen + t_guide_gen  # the cascade's included
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": first_correct_B[unguided_B].float().mean().item() if unguided_B.any() else 0.0,
