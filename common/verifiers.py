@@ -11,6 +11,7 @@ overruns is killed, its answer scores 0, and the pool is rebuilt. This is thread
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import multiprocessing as mp
 import re
@@ -119,7 +120,17 @@ class _Pool:
             self.pool = None
 
 
+    def close(self) -> None:
+        """Shut the pool down at exit, while the interpreter is whole (a pool collected during module
+        teardown prints an ignored AttributeError from its manager thread's callback)."""
+        with self.lock:
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 _POOL = _Pool()
+atexit.register(_POOL.close)
 
 
 def math_rewards(completions: list[str], answers: list[str], timeout: float = 5.0) -> list[float]:
