@@ -29,43 +29,53 @@ def _rows(run_dir) -> dict:
     return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r}
 
 
-def _torchrun(tmp_path, *extra, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *TINY,
+def _torchrun(script, tmp_path, *extra, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, *TINY,
            "--total-steps", "4", "--save-every", "2", "--output-dir", str(tmp_path), *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_dir):
+def _next_draws(script, own: dict, rank: int) -> list:
+    """The problems a rank draws at the next step, from its own saved sampler (grpo: a shuffled pass seeded with
+    seed + rank; rloo_sec: the curriculum with its saved random stream)."""
+    if script == "grpo.py":
+        sampler = PromptSampler(load_problems("testbed", "train", (3,), 0, 1), 1 + rank)
+        sampler.load_state_dict(own["sampler"])
+        return [p.uid for p in sampler.next(2)]
+    args = tyro.cli(rloo_sec.Args, args=[])
+    problems = load_problems("testbed", "train", args.levels, 0, 1)
+    cur = rloo_sec.make_curriculum(problems, args, 0)
+    cur.load_state_dict(own["sampler"])
+    probs = rloo_sec.arm_probs(cur.q, [len(a) for a in cur.arms], args.sec_tau)
+    return [p.uid for p in rloo_sec.sample_batch(cur, problems, 2, probs)[1]]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo_sec.py"])
+def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_dir, script):
     """2 processes (gloo): killed right after the checkpoint of step 2 and resumed, the run logs the same steps 3-4
-    as an uninterrupted one; each rank saved and restored its own RNG state, and the ranks draw different problems."""
-    straight = _torchrun(tmp_path, "--run-name", "straight")
+    as an uninterrupted one; each rank saved and restored its own state, and the ranks draw different problems."""
+    straight = _torchrun(script, tmp_path, "--run-name", "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _torchrun(tmp_path, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
+    killed = _torchrun(script, tmp_path, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
     assert killed.returncode != 0
     run_dir = tmp_path / "killed"
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
-    resumed = _torchrun(tmp_path, "--resume", str(run_dir))
+    resumed = _torchrun(script, tmp_path, "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
     assert sorted(got) == [1, 2, 3, 4]
     for s in (3, 4):
-        for key in ("reward/mean", "rollout/completion_len", "optim/lr"):
+        keys = [k for k in ref[s] if k.startswith(("reward/", "rollout/", "optim/lr", "sec/q/", "sec/level_frac/"))]
+        for key in keys:
             assert got[s][key] == ref[s][key], (s, key)
         assert got[s]["loss/policy"] == pytest.approx(ref[s]["loss/policy"], abs=1e-6), s
         assert got[s]["optim/grad_norm"] == pytest.approx(ref[s]["optim/grad_norm"], rel=1e-5), s
-    # each rank's own state, and the problems each rank draws next from it (its sampler is seeded by seed + rank)
-    ckpt = run_dir / "checkpoint"
-    own = [torch.load(ckpt / f"rank{r}_state.pt", weights_only=False) for r in (0, 1)]
+    # each rank's own state, and the problems each rank draws next from it
+    own = [torch.load(run_dir / "checkpoint" / f"rank{r}_state.pt", weights_only=False) for r in (0, 1)]
     assert not torch.equal(own[0]["rng"]["torch"], own[1]["rng"]["torch"])
     assert own[0]["rng"]["python"] != own[1]["rng"]["python"]
-    problems = load_problems("testbed", "train", (3,), 0, 1)
-    draws = []
-    for r in (0, 1):
-        sampler = PromptSampler(problems, 1 + r)
-        sampler.load_state_dict(own[r]["sampler"])
-        draws.append([p.uid for p in sampler.next(2)])
-    assert draws[0] != draws[1]
+    assert _next_draws(script, own[0], 0) != _next_draws(script, own[1], 1)
 
 
 def test_a_different_world_size_is_refused(tmp_path, finished_run, tiny_model_dir):
