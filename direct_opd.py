@@ -262,8 +262,8 @@ def build_teacher_post(args: Args, world: int) -> str:
                               dataset_config=args.dataset_config, levels=args.levels, max_new_tokens=args.max_new_tokens,
                               device=args.device, dtype=args.dtype, seed=s["seed"], eval_every=0, eval_samples=0,
                               num_eval_problems=args.num_eval_problems, output_dir=tmp, run_name="grpo"))
-    shutil.copytree(os.path.join(out["run_dir"], "checkpoint"), os.path.join(tmp, "model"))
-    os.remove(os.path.join(tmp, "model", "trainer_state.pt"))
+    shutil.copytree(os.path.join(out["run_dir"], "checkpoint"), os.path.join(tmp, "model"),
+                    ignore=shutil.ignore_patterns("*_state.pt"))  # the weights, without the trainer's state
     shutil.copy(os.path.join(out["run_dir"], "metrics.jsonl"), os.path.join(tmp, "model", "grpo_metrics.jsonl"))
     with open(os.path.join(tmp, "model", "TEACHER_DONE.json"), "w") as f:
         json.dump(dict(settings=s, before=out["before"], after=out["after"]), f, indent=2)

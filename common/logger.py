@@ -146,9 +146,11 @@ def fail(msg: str):
 def check_run_args(args, min_group_size: int = 2) -> None:
     """Flags that contradict each other, shared by the group-sampling trainers: a one-line error before any work."""
     batch = args.num_prompts * args.group_size
-    for name in ("num_prompts", "group_size", "total_steps", "num_iterations", "num_minibatches", "micro_batch_size"):
+    for name in ("num_prompts", "group_size", "num_iterations", "num_minibatches", "micro_batch_size"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.total_steps < 0:
+        fail(f"--total-steps {args.total_steps} must be at least 0")
     if args.group_size < min_group_size:
         fail(f"--group-size {args.group_size} must be at least {min_group_size} (a group baseline needs two samples)")
     if batch % args.num_minibatches:
