@@ -96,13 +96,30 @@ def write(cli, rows: list, noise: dict) -> None:
              f"testbed-code; eval: 8 sampled programs per task)", "",
              "before -> after. fast_frac: fraction of correct programs at least 2x faster than the slow baseline; "
              "slow/CRR = 1 - fast_frac; speed-up: mean T_b / T_c over correct programs (T_b re-timed in the same "
-             "rounds).", "",
+             "rounds). wall s: seconds for the run (evaluations included) on the machine it ran on; other jobs' load "
+             "changes it.", "",
              "| reward | seed | pass rate | fast_frac | slow/CRR | mean speed-up | wall s |",
              "|---|---|---|---|---|---|---|"]
     for reward, seed, b, a, wall in rows:
         cells = [f"{b[k]:.3f} -> {a[k]:.3f}" if "speedup" not in k else f"{b[k]:.1f} -> {a[k]:.1f}" for k in keys]
         lines.append(f"| {reward} | {seed} | " + " | ".join(cells) + f" | {wall:.0f} |")
-    lines += ["", "Timing noise: Spearman rank correlation between two measurements of the same correct programs "
+    after = {(reward, seed): a for reward, seed, b, a, wall in rows}
+    before = {seed: b for reward, seed, b, a, wall in rows}
+    lines += ["", "Checks (computed from the table, per seed):", ""]
+    for seed in sorted(before):
+        c, s, u = (after.get((r, seed)) for r in REWARDS)
+        if c and s:
+            lines.append(f"- seed {seed}: staged vs correctness-only after training: slow/CRR "
+                         f"{s['eval/slow_correct_frac']:.3f} vs {c['eval/slow_correct_frac']:.3f} "
+                         f"({'lower' if s['eval/slow_correct_frac'] < c['eval/slow_correct_frac'] else 'not lower'}), "
+                         f"pass rate {s['eval/pass_rate']:.3f} vs {c['eval/pass_rate']:.3f} "
+                         f"({s['eval/pass_rate'] - c['eval/pass_rate']:+.3f})")
+        if u:
+            lines.append(f"- seed {seed}: ungated speed reward: pass rate {before[seed]['eval/pass_rate']:.3f} -> "
+                         f"{u['eval/pass_rate']:.3f}, wrong outputs {before[seed]['eval/status/wrong_output']:.3f} -> "
+                         f"{u['eval/status/wrong_output']:.3f}")
+    lines += ["", "Each pass rate is over 40 sampled programs (5 tasks x 8), so its standard error is about 0.07.",
+              "", "Timing noise: Spearman rank correlation between two measurements of the same correct programs "
               "(each task's slow and fast references and middle variants, median of 3, all tasks pooled):", ""]
     lines += [f"- {k}: {r:.3f} over {n} programs" for k, (r, n) in noise.items()]
     text = "\n".join(lines) + "\n"
