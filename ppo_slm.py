@@ -60,7 +60,6 @@ plus `rm/score_mean`, `rm/score_std` (raw RM scores of the rollouts),
 """
 
 import copy
-import json
 import math
 import os
 import random
@@ -75,10 +74,10 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
-from common.data import load_problems
+from common.data import fail, load_problems, read_json_records
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.logger import RunLogger
-from common.models import load_model, load_tokenizer, resolve_model
+from common.models import load_model, load_score_model, load_tokenizer, resolve_model
 from common.rollout import HFEngine, batched_logprobs, left_pad, position_ids
 from common.testbed import render_testbed_prompt
 from common.verifiers import score
@@ -283,13 +282,30 @@ def build_examples(args: Args, split: str, n: int, seed: int) -> list[Example]:
 def read_texts(dataset: str, split: str, field: str, n: int) -> list[str]:
     """Texts of a local .txt (one per line) / .jsonl file (every 10th held out) or of a HF dataset split."""
     if os.path.exists(dataset):
-        with open(dataset) as f:
-            lines = [ln for ln in f if ln.strip()]
-        texts = [json.loads(ln)[field] if dataset.endswith(".jsonl") else ln.strip() for ln in lines]
+        if dataset.endswith((".jsonl", ".json")):
+            rows, where = read_json_records(dataset)
+            texts = []
+            for row, at in zip(rows, where):
+                if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                    fail(f"{at}: expected an object with a string field {field!r} (--text-field); got "
+                         f"{'an object with fields ' + str(sorted(row)) if isinstance(row, dict) else 'a list or value'}")
+                texts.append(row[field])
+        else:
+            try:
+                with open(dataset, encoding="utf-8") as f:
+                    texts = [ln.strip() for ln in f if ln.strip()]
+            except (UnicodeDecodeError, IsADirectoryError) as e:
+                fail(f"{dataset}: cannot read it as UTF-8 text lines ({type(e).__name__})")
         texts = [t for i, t in enumerate(texts) if (i % 10 == 0) == (split != "train")]
     else:
         import datasets
-        ds = datasets.load_dataset(dataset, split="train" if split == "train" else "validation")
+        try:
+            ds = datasets.load_dataset(dataset, split="train" if split == "train" else "validation")
+        except Exception as e:  # noqa: BLE001 - hub, disk and format errors all mean "cannot load"
+            fail(f"could not load dataset {dataset!r} (not a local file, and loading it by name failed: "
+                 f"{type(e).__name__})")
+        if field not in ds.column_names:
+            fail(f"dataset {dataset!r} has no field {field!r} (--text-field); fields are {ds.column_names}")
         texts = ds[:n][field] if n else ds[field]
     return texts[:n] if n else texts
 
@@ -463,8 +479,7 @@ def merge_sft(base: str, adapter: str, out_dir: str, tokenizer) -> str:
 def train_reward_model(args: Args, sft_dir: str, tokenizer, train: list[Example], out_dir: str, device: str):
     """Bradley-Terry RM initialised from the SFT backbone: -log sigmoid(r(x, y_w) - r(x, y_l))."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification
-    rm = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=torch.float32)
+    rm = load_score_model(sft_dir)
     rm.config.pad_token_id = tokenizer.pad_token_id
     rm = get_peft_model(rm, LoraConfig(task_type="SEQ_CLS", r=args.rm_lora_r, lora_alpha=2 * args.rm_lora_r,
                                        lora_dropout=0.0, target_modules=list(args.lora_target_modules))).to(device)
@@ -530,7 +545,7 @@ def main(args: Args) -> dict:
     if world > 1:
         dist.barrier()
     t_stages = time.time() - t0
-    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).to(device).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).to(device).eval()  # eval: no dropout
     rm.requires_grad_(False)
     rm_acc = pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
 

@@ -72,26 +72,66 @@ def check_weight_files(path: str) -> None:
                              f"({size} bytes{f', its header says {end}' if end else ''}); copy or download it again")
 
 
-def check_tokenizer_fits(model, path: str) -> None:
-    """Fail when the tokenizer saved beside a local model has ids the model's embedding or LM head lacks
-    (a tokenizer from another model); torch would otherwise stop at the first such id with an index error."""
-    if not os.path.isdir(path) or not glob.glob(os.path.join(path, "tokenizer*")):
-        return
+def tokenizer_size(path: str) -> int | None:
+    """Entries of the tokenizer saved at `path` (a folder or hub id), or None when there is none to load."""
+    if os.path.isdir(path) and not glob.glob(os.path.join(path, "tokenizer*")):
+        return None
     from transformers import AutoTokenizer
 
     try:
-        n_tokens = len(AutoTokenizer.from_pretrained(path))
+        return len(AutoTokenizer.from_pretrained(path))
     except Exception:  # noqa: BLE001 - load_tokenizer reports a tokenizer that cannot load
-        return
+        return None
+
+
+def head_rows(model) -> int:
     head = model.get_output_embeddings()
-    rows = min(model.get_input_embeddings().num_embeddings, head.weight.shape[0] if head is not None else n_tokens)
+    return head.weight.shape[0] if head is not None else model.get_input_embeddings().num_embeddings
+
+
+def check_tokenizer_fits(model, path: str, n_tokens: int | None) -> None:
+    """Fail when the tokenizer saved beside a local model has ids the model's embedding or LM head lacks
+    (a tokenizer from another model); torch would otherwise stop at the first such id with an index error."""
+    if n_tokens is None or not os.path.isdir(path):
+        return
+    rows = min(model.get_input_embeddings().num_embeddings, head_rows(model))
     if n_tokens > rows:
         raise SystemExit(f"error: the tokenizer in {path} has {n_tokens} tokens but the model there has only {rows} "
                          f"embedding rows: they come from different models (save the model's own tokenizer with it)")
 
 
+PADDED_ROW_LOGIT = -1e4
+"""What a padded LM-head row's logit becomes: exp() of it is exactly 0 in every float type, and unlike -inf it
+keeps entropies (p * logit) and temperature divisions finite."""
+
+
+def mask_padded_head(model, vocab: int) -> None:
+    """Every forward of `model` puts no probability on LM-head rows past the tokenizer's `vocab` entries.
+
+    Real models pad the head (Qwen2.5: 151936 rows for 151665 tokens). The samplers never draw those rows
+    (common.rollout.mask_padded_vocab; vLLM gets `allowed_token_ids`), so the trainers' log-probs, entropies,
+    KL terms and teacher scores must normalise over the same `vocab` entries; masking at the head makes every
+    forward agree, whichever function computes from the logits.
+
+    >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+    >>> m = Qwen2ForCausalLM(Qwen2Config(vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+    ...                                  num_key_value_heads=1, intermediate_size=8))
+    >>> mask_padded_head(m, 6)
+    >>> m(torch.tensor([[1, 2]])).logits.softmax(-1)[0, -1, 6:].tolist()
+    [0.0, 0.0]
+    """
+    if head_rows(model) <= vocab:
+        return
+
+    def hook(module, inputs, logits):
+        return logits.index_fill(-1, torch.arange(vocab, logits.shape[-1], device=logits.device), PADDED_ROW_LOGIT)
+
+    model.get_output_embeddings().register_forward_hook(hook)
+
+
 def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
-    """A causal LM in `dtype` on `device`, in train mode, with dropout off."""
+    """A causal LM in `dtype` on `device`, in train mode, with dropout off, and no probability on LM-head rows
+    its tokenizer lacks (`mask_padded_head`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model(name)
@@ -104,8 +144,26 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"error: could not load model {name!r}: {_one_line(e)}") from None
     disable_dropout(model.config, model)
-    check_tokenizer_fits(model, path)
+    n_tokens = tokenizer_size(path)
+    check_tokenizer_fits(model, path, n_tokens)
+    if n_tokens is not None:
+        mask_padded_head(model, n_tokens)
     return model.to(device).train()
+
+
+def load_score_model(path: str, dtype: str = "float32"):
+    """A sequence-classification model with one score head (a reward or value model) from a causal LM's folder,
+    with dropout off: its Bradley-Terry loss and PPO's rewards would otherwise be noisy in train mode."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        disable_dropout(config)
+        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"error: could not load a score model from {path!r}: {_one_line(e)}") from None
+    disable_dropout(model.config, model)
+    return model
 
 
 def check_same_vocab(tokenizers: dict) -> None:

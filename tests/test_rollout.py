@@ -1,5 +1,7 @@
 """common/rollout.py: masks, chunked log-probs, and trainer log-probs equal to the sampler's."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,46 +168,19 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert process_logits(logits, 2.0, 1.0).isfinite().all()
 
 
-@pytest.fixture(scope="module")
-def wide_head_model_dir(tmp_path_factory):
-    """A tiny Qwen2 whose LM head has 64 rows more than its tokenizer (as Qwen2.5's does), with the padded rows
-    biased to win: one residual dimension is held at +100 (embeddings only, no layer writes it), and only the
-    padded rows read it, so they carry nearly all the probability mass unless masked."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from common.testbed import build_tokenizer
-
-    path = str(tmp_path_factory.mktemp("wide_head"))
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok) + 64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 100.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0] = 0.0
-            layer.mlp.down_proj.weight[0] = 0.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[len(tok):, 0] = 1.0
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("loop", [True, False], ids=["loop", "generate"])
 def test_padded_lm_head_rows_are_never_sampled(wide_head_model_dir, loop):
     from common.models import load_model, load_tokenizer
 
-    tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
+    tok = load_tokenizer(wide_head_model_dir)
     prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
     ids_BT, mask_BT = left_pad(prompts, tok.pad_token_id)
+    raw = AutoModelForCausalLM.from_pretrained(wide_head_model_dir)  # the fixture works: padded rows would win
     with torch.no_grad():
-        logits_BTV = model(input_ids=ids_BT, attention_mask=mask_BT).logits
+        logits_BTV = raw(input_ids=ids_BT, attention_mask=mask_BT).logits
     assert (logits_BTV[..., len(tok):].logsumexp(-1) - logits_BTV[..., : len(tok)].logsumexp(-1) > 5).all()
 
-    engine = HFEngine(model, tok, loop=loop)
+    engine = HFEngine(raw, tok, loop=loop)  # the sampler masks them itself, whoever loaded the model
     sampled = engine.generate(prompts, n=8, temperature=1.0, max_new_tokens=6, return_logprobs=True)
     greedy = engine.generate(prompts, n=1, greedy=True, max_new_tokens=6)
     for ro in (sampled, greedy):
@@ -237,3 +212,33 @@ def test_direct_opd_scores_the_sampled_vocabulary(wide_head_model_dir):
     loss, _ = direct_opd.micro_batch_loss(model, batch, torch.arange(4), args, {"tokens": mask_BC.sum().item()}, 1.0)
     loss.backward()
     assert torch.isfinite(loss) and model.lm_head.weight.grad is not None
+
+
+def test_trainer_logprobs_normalise_over_the_sampled_vocabulary(wide_head_model_dir):
+    """load_model masks the padded head rows, so every forward (log-probs, entropies, reference and teacher
+    scores) normalises over the entries the sampler draws from: the trainer's log-probs equal the sampler's."""
+    from common.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
+    prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
+    ro = HFEngine(model, tok).generate(prompts, n=4, temperature=0.7, max_new_tokens=6, return_logprobs=True)
+    logp_BC, entropy_BC = completion_logprobs(model, ro.input_ids_BT, ro.attention_mask_BT, ro.prompt_len, 0.7,
+                                              with_entropy=True)
+    mask_BC = ro.completion_mask_BC
+    assert torch.allclose(logp_BC * mask_BC, ro.sampler_logp_BC, atol=1e-4)
+    assert torch.isfinite(entropy_BC).all() and (entropy_BC <= math.log(len(tok)) + 1e-4).all()
+
+
+def test_grpo_runs_on_a_padded_head(tmp_path, wide_head_model_dir):
+    """The whole loop on a model whose head is wider than its tokenizer: its entropy is over the tokenizer's
+    entries (before the head mask, the padded rows held nearly all the mass and the entropy was far lower)."""
+    import tyro
+
+    import grpo
+    from common.models import load_tokenizer
+
+    out = grpo.main(tyro.cli(grpo.Args, args=[
+        "--model-name", wide_head_model_dir, "--output-dir", str(tmp_path), "--total-steps", "2", "--num-prompts", "4",
+        "--group-size", "4", "--num-eval-problems", "4", "--eval-samples", "0", "--eval-every", "0"]))
+    entropy = [v for k, v in out["last"].items() if "entropy" in k]
+    assert entropy and all(math.log(len(load_tokenizer(wide_head_model_dir))) - 0.5 < e < 5.6 for e in entropy), out

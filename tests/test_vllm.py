@@ -117,3 +117,20 @@ def test_rloo_sec_gets_the_backend_by_flag_alone(tmp_path, weak_model_dir):
         "--group-size", "4", "--num-eval-problems", "8", "--eval-samples", "0", "--eval-every", "0"]))
     assert math.isfinite(out["last"]["reward/mean"])
     assert abs(out["last"]["rollout/mismatch_k1"]) < 0.01 and out["last"]["rollout/mismatch_k3"] < 0.01
+
+
+def test_padded_head_rows_are_never_sampled_by_vllm(setup, wide_head_model_dir):
+    """A model whose LM head is wider than its tokenizer: vLLM is told the allowed ids, so it samples, and
+    normalises its log-probs, over the same entries as the trainer (second engine in this process)."""
+    from common.models import load_model, load_tokenizer
+    from common.rollout import completion_logprobs, make_engine, sampler_mismatch
+
+    tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
+    prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
+    r = make_engine("vllm", model, tok, seed=0).generate(prompts, n=8, temperature=1.0, max_new_tokens=6,
+                                                         return_logprobs=True)
+    assert r.completion_ids_BC.max().item() < len(tok)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, r.input_ids_BT, r.attention_mask_BT, r.prompt_len, 1.0)
+    m = sampler_mismatch(logp * r.completion_mask_BC, r.sampler_logp_BC, r.completion_mask_BC)
+    assert abs(m["rollout/mismatch_k1"]) < 0.01 and m["rollout/mismatch_k3"] < 0.01, m
