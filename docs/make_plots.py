@@ -35,7 +35,7 @@ DEMOS = {
         ("held-out greedy accuracy, levels 1-5",
          [("eval/greedy_accuracy", "all levels")] + [(f"eval/greedy_accuracy/level_{k}", f"level {k}")
                                                      for k in (1, 2, 3, 4, 5)], 0),
-        ("SEC: probability of each arm", [(f"sec/prob/arm_level_{k}", f"level {k}") for k in (1, 2, 3, 4, 5)], 10)]),
+        ("SEC: probability of each arm", [(f"sec/prob/arm_{k}", f"level {k}") for k in (1, 2, 3, 4, 5)], 10)]),
     "oc_grpo": ("oc_grpo.py", ["--total-steps", "100"], [1], [
         ("held-out accuracy, level 5", [("eval/greedy_accuracy", "greedy"), ("eval/pass_at_k", "pass@4")], 0),
         ("guidance", [("guide/frac_rescued", "rescued / all-fail groups"), ("is/weight_mean", "mean IS weight"),
