@@ -64,7 +64,18 @@ DEMOS = {
                                          ("eval/cgre", "CGRE")], 0),
         ("training rollouts", [("reward/mean", "staged reward"), ("train/accuracy", "correct")], 5)]),
 }
-SCALE = {"kl/coef": 0.1}  # drawn scaled so that it shares an axis with the metric beside it
+SCALE = {"kl/coef": 0.1}
+
+# Benchmark comparisons, drawn from the run folders a benchmark script leaves (make_plots.py does not run them):
+# name: (the command that makes the runs, run folder pattern, {variant: label}, seeds, panels as above, one metric each)
+COMPARISONS = {
+    "rlpf_rewards": ("python benchmarks/rlpf_benchmark.py --steps 20", "runs/benchmarks/rlpf_{variant}_{seed}",
+                     {"staged": "staged (RLPF)", "correctness": "correctness only (RLVR)",
+                      "speed_ungated": "speed, ungated"}, [1, 2], [
+        ("training programs: pass rate", "train/pass_rate", 5),
+        ("training programs: share of correct ones >= 2x faster than the baseline", "train/fast_frac", 5)]),
+}
+  # drawn scaled so that it shares an axis with the metric beside it
 
 
 def run_dir(name: str, seed: int) -> str:
@@ -159,6 +170,49 @@ def plot(name: str, seeds: list[int]) -> str | None:
     return out
 
 
+def plot_comparison(name: str) -> str | None:
+    """One line per variant (mean over seeds, band min-max), one panel per metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    command, pattern, variants, seeds, panels = COMPARISONS[name]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.2))
+    found = 0
+    for ax, (title, metric, window) in zip(np.atleast_1d(axes), panels):
+        for variant, label in variants.items():
+            paths = [os.path.join(ROOT, pattern.format(variant=variant, seed=s), "metrics.jsonl") for s in seeds]
+            paths = [p for p in paths if os.path.exists(p)]
+            if not paths:
+                continue
+            found += 1
+            curves = [read_metric(p, metric) for p in paths]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            y_SN = np.array([smooth(np.array([c[s] for s in steps]), window) for c in curves])
+            line, = ax.plot(steps, y_SN.mean(0), lw=1.5, label=f"{label} ({len(paths)} seeds)")
+            if len(paths) > 1:
+                ax.fill_between(steps, y_SN.min(0), y_SN.max(0), color=line.get_color(), alpha=0.2, lw=0)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if not found:
+        plt.close(fig)
+        print(f"{name}: no runs of `{command}` under {os.path.dirname(pattern)}")
+        return None
+    fig.suptitle(f"{command}, seeds {' '.join(map(str, seeds))} (mean, band: min-max over seeds; smoothed over "
+                 f"{panels[0][2]} steps)", fontsize=9)
+    fig.tight_layout()
+    out = os.path.join(ROOT, "docs", "img", f"{name}.png")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fig.savefig(out, dpi=72)
+    plt.close(fig)
+    print(f"{name}: wrote {os.path.relpath(out, ROOT)}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(DEMOS), default=list(DEMOS), help="demos to run and plot")
@@ -172,6 +226,8 @@ def main() -> None:
             for seed in seeds:
                 run_demo(name, seed, a.rerun)
         plot(name, seeds)
+    for name in COMPARISONS:
+        plot_comparison(name)
 
 
 if __name__ == "__main__":
