@@ -60,7 +60,7 @@ DEMOS = {
           ("mada/eval/debate_accuracy", "debate (mean over critics)")], 0),
         ("training rollouts of the active agent", [("train/accuracy", "accuracy"), ("mada/len_reward", "R_len")], 10)]),
     "rlpf": ("rlpf.py", [], [1], [
-        ("held-out programs (sampled)", [("eval/pass_rate", "pass rate"), ("eval/fast_frac", "correct and >= 2x faster"),
+        ("held-out programs (sampled)", [("eval/pass_rate", "pass rate"), ("eval/fast_frac", "share of correct ones >= 2x faster"),
                                          ("eval/cgre", "CGRE")], 0),
         ("training rollouts", [("reward/mean", "staged reward"), ("train/accuracy", "correct")], 5)]),
 }
