@@ -12,6 +12,7 @@ seed (training metrics are first smoothed with a moving average), written to doc
 """
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -49,12 +50,12 @@ DEMOS = {
         ("held-out (PPO policy)", [("eval/rm_score", "reward-model score"),
                                    ("eval/greedy_accuracy", "greedy accuracy (verifier)")], 0),
         ("training rollouts", [("rm/score_mean", "raw RM score"), ("train/accuracy", "verifier accuracy")], 10)]),
-    "adakp": ("adakp.py", ["--total-steps", "100"], [1], [
+    "adakp": ("adakp.py", ["--total-steps", "60"], [1], [
         ("held-out accuracy, level 4, plain prompt", [("eval/greedy_accuracy", "greedy"),
                                                      ("eval/pass_at_k", "pass@4")], 0),
         ("knowledge points", [("kp/mean_size", "mean |S| shown"), ("train/accuracy", "hinted train accuracy"),
                               ("kp/zero_correct_frac", "all-wrong groups")], 20)]),
-    "mada_rl": ("mada_rl.py", ["--generator-steps", "30", "--critic-steps", "30"], [1], [
+    "mada_rl": ("mada_rl.py", ["--generator-steps", "20", "--critic-steps", "20"], [1], [
         ("held-out accuracy (before, after stage 1, end)",
          [("mada/eval/single_accuracy", "single generator (mean)"), ("mada/eval/majority_accuracy", "generators' vote"),
           ("mada/eval/debate_accuracy", "debate (mean over critics)")], 0),
@@ -74,6 +75,12 @@ COMPARISONS = {
                       "speed_ungated": "speed, ungated"}, [1, 2], [
         ("training programs: pass rate", "train/pass_rate", 5),
         ("training programs: share of correct ones >= 2x faster than the baseline", "train/fast_frac", 5)]),
+    "adakp_arms": ("benchmarks/adakp_benchmark.py on a borrowed model, 30 steps of 8 x 8, level 4",
+                   "runs/adakp_benchmark/{variant}__{seed}__*",
+                   {"adakp": "adakp", "static": "static", "random": "random", "all": "all KPs", "none": "no KPs"},
+                   [1, 2], [
+        ("training rollouts: accuracy (on the prompt trained on)", "train/accuracy", 5),
+        ("groups whose G rollouts all fail", "kp/zero_correct_frac", 5)]),
 }
   # drawn scaled so that it shares an axis with the metric beside it
 
@@ -182,8 +189,9 @@ def plot_comparison(name: str) -> str | None:
     found = 0
     for ax, (title, metric, window) in zip(np.atleast_1d(axes), panels):
         for variant, label in variants.items():
-            paths = [os.path.join(ROOT, pattern.format(variant=variant, seed=s), "metrics.jsonl") for s in seeds]
-            paths = [p for p in paths if os.path.exists(p)]
+            paths = [sorted(glob.glob(os.path.join(ROOT, pattern.format(variant=variant, seed=s), "metrics.jsonl")))
+                     for s in seeds]
+            paths = [p[-1] for p in paths if p]  # the latest run of each seed
             if not paths:
                 continue
             found += 1
