@@ -32,12 +32,12 @@ DEMOS = {
          [("eval/greedy_accuracy", "greedy"), ("eval/sampled_accuracy", "sampled, T=1"),
           ("eval/pass_at_k", "pass@4")], 0),
         ("training rollouts", [("reward/mean", "reward (= accuracy)"), ("adv/frac_zero_std", "zero-std groups")], 20)]),
-    "rloo_sec": ("rloo_sec.py", ["--total-steps", "150"], [1], [
+    "rloo_sec": ("rloo_sec.py", ["--total-steps", "60"], [1], [
         ("held-out greedy accuracy, levels 1-5",
          [("eval/greedy_accuracy", "all levels")] + [(f"eval/greedy_accuracy/level_{k}", f"level {k}")
                                                      for k in (1, 2, 3, 4, 5)], 0),
         ("SEC: probability of each arm", [(f"sec/prob/arm_{k}", f"level {k}") for k in (1, 2, 3, 4, 5)], 10)]),
-    "oc_grpo": ("oc_grpo.py", ["--total-steps", "100"], [1], [
+    "oc_grpo": ("oc_grpo.py", ["--total-steps", "40"], [1], [
         ("held-out accuracy, level 5", [("eval/greedy_accuracy", "greedy"), ("eval/pass_at_k", "pass@4")], 0),
         ("guidance", [("guide/frac_rescued", "rescued / all-fail groups"), ("is/weight_mean", "mean IS weight"),
                       ("train/accuracy", "unguided train accuracy")], 20)]),
@@ -46,7 +46,7 @@ DEMOS = {
                                                 ("eval/sampled_accuracy", "sampled, T=1")], 0),
         ("dense reward and KL coefficient", [("delta_opd/weighted_reward_mean", "mean A_t(v)"),
                                              ("kl/coef", "KL coefficient / 10")], 10)]),
-    "ppo_slm": ("ppo_slm.py", ["--total-steps", "60"], [1], [
+    "ppo_slm": ("ppo_slm.py", ["--total-steps", "30"], [1], [
         ("held-out (PPO policy)", [("eval/rm_score", "reward-model score"),
                                    ("eval/greedy_accuracy", "greedy accuracy (verifier)")], 0),
         ("training rollouts", [("rm/score_mean", "raw RM score"), ("train/accuracy", "verifier accuracy")], 10)]),
