@@ -61,7 +61,8 @@ DEMOS = {
           ("mada/eval/debate_accuracy", "debate (mean over critics)")], 0),
         ("training rollouts of the active agent", [("train/accuracy", "accuracy"), ("mada/len_reward", "R_len")], 10)]),
     "rlpf": ("rlpf.py", [], [1], [
-        ("held-out programs (sampled)", [("eval/pass_rate", "pass rate"), ("eval/fast_frac", "share of correct ones >= 2x faster"),
+        ("held-out programs (sampled)", [("eval/pass_rate", "pass rate"),
+                                         ("eval/fast_frac", "share of correct ones >= 2x faster"),
                                          ("eval/cgre", "CGRE")], 0),
         ("training rollouts", [("reward/mean", "staged reward"), ("train/accuracy", "correct")], 5)]),
 }
@@ -159,7 +160,7 @@ def plot(name: str, seeds: list[int]) -> str | None:
             line, = ax.plot(steps, mean, marker="o" if window == 0 else None, ms=3, lw=1.5, label=label)
             if len(paths) > 1:
                 ax.fill_between(steps, y_SN.min(0), y_SN.max(0), color=line.get_color(), alpha=0.2, lw=0)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title + (f" (moving average, {window} steps)" if window > 1 else ""), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -167,7 +168,7 @@ def plot(name: str, seeds: list[int]) -> str | None:
     used = [s for s in seeds if os.path.exists(os.path.join(run_dir(name, s), "done.json"))]
     band = ", band: min-max over seeds" if len(used) > 1 else ""
     cmd = " ".join(["python", DEMOS[name][0], *DEMOS[name][1], "--seed", "S"])
-    fig.suptitle(f"{cmd}, S = {' '.join(map(str, used))} (mean{band}; training metrics smoothed)", fontsize=9)
+    fig.suptitle(f"{cmd}, S = {' '.join(map(str, used))} (mean{band})", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.join(ROOT, "docs", "img"), exist_ok=True)
     out = os.path.join(ROOT, "docs", "img", f"{name}.png")
