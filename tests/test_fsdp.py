@@ -33,3 +33,60 @@ def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir
         assert min(res["plain_grad_norms"]) > 0.05  # --max-grad-norm 0.05: the clip was active on both steps
         assert abs(res["local_numel"] - res["total_numel"] / 2) < res["total_numel"] * 0.01
         assert res["texts_equal"]
+
+
+TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
+        "--eval-samples", "0", "--eval-every", "0", "--fsdp"]
+
+
+def _run(script, tmp_path, *extra, env=None):
+    return _torchrun(script, *TINY, "--total-steps", "4", "--save-every", "2", "--output-dir", str(tmp_path), *extra,
+                     env=env)
+
+
+def _rows(run_dir) -> dict:
+    from common.logger import read_metrics
+
+    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r}
+
+
+def _weights(folder) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
+
+
+def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_path, weak_model_dir):
+    """grpo.py --fsdp on 2 ranks, killed right after the sharded checkpoint of step 2 and resumed from it: steps 3-4
+    log what an uninterrupted run logs, and the consolidated export (from_pretrained) has the same final weights.
+    Each rank wrote its own shard files; the export's config names the plain model class."""
+    from common.logger import KILL_AFTER_SAVE
+
+    straight = _run("grpo.py", tmp_path, "--run-name", "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _run("grpo.py", tmp_path, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
+    assert killed.returncode != 0
+    run_dir = tmp_path / "killed"
+    state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2 and state["fsdp"] and state["world_size"] == 2
+    assert sorted(os.listdir(run_dir / "checkpoint" / "sharded")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    resumed = _run("grpo.py", tmp_path, "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in (3, 4):
+        for key in [k for k in ref[s] if k.startswith(("reward/", "rollout/", "optim/lr"))]:
+            assert got[s][key] == ref[s][key], (s, key)
+        assert got[s]["loss/policy"] == pytest.approx(ref[s]["loss/policy"], abs=1e-6), s
+        assert got[s]["optim/grad_norm"] == pytest.approx(ref[s]["optim/grad_norm"], rel=1e-5), s
+    want, have, start = (_weights(tmp_path / "straight" / "checkpoint"), _weights(run_dir / "checkpoint"),
+                         _weights(weak_model_dir))
+    assert json.loads((run_dir / "checkpoint" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert max((want[k] - have[k]).abs().max().item() for k in want) < 1e-6
+    assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-5  # training moved the weights
+
+    # the sharded checkpoint needs --fsdp to resume: a one-line error, nothing lost
+    before = (run_dir / "metrics.jsonl").read_text()
+    plain = _torchrun("grpo.py", *TINY[:-1], "--total-steps", "6", "--resume", str(run_dir))
+    assert plain.returncode != 0 and "written with --fsdp; resume with it" in plain.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before
