@@ -189,3 +189,10 @@ def agree(flag: bool, model) -> bool:
     t = torch.tensor([0.0 if flag else 1.0])
     all_reduce_sum(t)
     return t.item() == 0.0
+
+
+def refuse_fsdp(args, script: str, reason: str) -> None:
+    """A trainer that cannot run sharded: a one-line error for --fsdp, before any work."""
+    if getattr(args, "fsdp", False):
+        raise SystemExit(f"error: --fsdp is not supported by {script}: {reason}; run it without --fsdp "
+                         "(every rank holds the whole model)")
