@@ -90,3 +90,40 @@ def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_pat
     plain = _torchrun("grpo.py", *TINY[:-1], "--total-steps", "6", "--resume", str(run_dir))
     assert plain.returncode != 0 and "written with --fsdp; resume with it" in plain.stderr
     assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its sandbox; direct_opd: teachers given)
+    "rloo_sec.py": [*TINY],
+    "grpo.py": [*TINY, "--fsdp-mixed-precision", "--beta", "0.05"],
+    "rlpf.py": ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "24", "--tasks", "sum_range",
+                "--eval-samples", "0", "--eval-every", "0", "--timing-repeats", "1", "--fsdp"],
+    "direct_opd.py": [*TINY, "--model-name", "WEAK", "--teacher-pre", "WEAK", "--teacher-post", "WEAK"],
+}
+
+
+@pytest.mark.parametrize("script", list(SMOKE))
+def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
+    """2 ranks, --fsdp: 2 steps, metrics logged once, a sharded checkpoint with each rank's shard file and a
+    consolidated model.safetensors. grpo.py also with bf16 compute (--fsdp-mixed-precision) and a sharded
+    reference model; direct_opd.py with its reference and both teachers sharded."""
+    flags = [weak_model_dir if f == "WEAK" else f for f in SMOKE[script]]
+    r = _torchrun(script, *flags, "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "smoke")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(tmp_path / "smoke")
+    assert sorted(rows) == [1, 2] and all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows.values())
+    ckpt = tmp_path / "smoke" / "checkpoint"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "sharded"))
+    assert os.path.exists(ckpt / "model.safetensors")
+
+
+@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "ppo_slm", "mada_rl"])
+def test_trainers_that_cannot_shard_say_so(tmp_path, trainer):
+    import importlib
+
+    import tyro
+
+    module = importlib.import_module(trainer)
+    args = tyro.cli(module.Args, args=["--output-dir", str(tmp_path), "--fsdp", "--model-name", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match=rf"^error: --fsdp is not supported by {trainer}.py: ") as e:
+        module.main(args)
+    assert "\n" not in str(e.value.code)
