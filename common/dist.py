@@ -5,8 +5,8 @@ Two ways to hold the model:
 - plain (default): every rank keeps the whole model and optimizer; after backward,
   `all_reduce_grads` sums the gradients in buckets of at most 25 MB.
 - `--fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every decoder layer (and on untied
-  input and output embeddings) and on the root, so each rank keeps 1/world of the parameters, gradients and AdamW state; a layer's
-  parameters are all-gathered just before its forward and its gradients reduce-scattered
+  input and output embeddings) and on the root, so each rank keeps 1/world of the parameters,
+  gradients and AdamW state; a layer's parameters are all-gathered just before its forward and its gradients reduce-scattered
   (summed, not averaged) right after its backward. `shard_models` wraps the policy and the
   reference/teacher models the same way; `clip_grad_norm_` on the sharded parameters
   computes the global norm. Generation under FSDP runs inside `unsharded(model)` (every
@@ -145,7 +145,7 @@ def shard_models(args, *models):
             units += [embed, head]  # (tied ones share a parameter and stay with the root)
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # the rest: final norm, tied embeddings
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # final norm, tied embeddings
         for m in model.modules():  # these two setters are per module, not recursive
             if is_sharded(m):
                 m.set_gradient_divide_factor(1.0)  # sum over ranks, as all_reduce_grads does ...
