@@ -4,14 +4,15 @@ gradients and loss normalisers are summed across ranks (no DDP wrapper).
 Two ways to hold the model:
 - plain (default): every rank keeps the whole model and optimizer; after backward,
   `all_reduce_grads` sums the gradients in buckets of at most 25 MB.
-- `--fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every decoder layer (and on untied
-  input and output embeddings) and on the root, so each rank keeps 1/world of the parameters,
-  gradients and AdamW state; a layer's parameters are all-gathered just before its forward and its gradients reduce-scattered
-  (summed, not averaged) right after its backward. `shard_models` wraps the policy and the
-  reference/teacher models the same way; `clip_grad_norm_` on the sharded parameters
-  computes the global norm. Generation under FSDP runs inside `unsharded(model)` (every
-  layer gathered once, no collective per decoding step, so ranks may stop at different
-  lengths), and a separate sampler gets full tensors one parameter at a time (`full_weights`).
+- `--fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every decoder layer (and on
+  untied input and output embeddings) and on the root, so each rank keeps 1/world of the
+  parameters, gradients and AdamW state; a layer's parameters are all-gathered just before its
+  forward and its gradients reduce-scattered (summed, not averaged) right after its backward.
+  `shard_models` wraps the policy and the reference/teacher models the same way;
+  `clip_grad_norm_` on the sharded parameters computes the global norm. Generation under FSDP
+  runs inside `unsharded(model)` (every layer gathered once, no collective per decoding step,
+  so ranks may stop at different lengths), and a separate sampler gets full tensors one
+  parameter at a time (`full_weights`).
 """
 
 from __future__ import annotations
