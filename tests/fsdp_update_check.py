@@ -6,7 +6,8 @@ to a JSON file for tests/test_fsdp.py.
   the loss normalisers summed over ranks, as the trainer does.
 
 Two optimizer steps (two PPO epochs over the batch, clipping active), then the sharded weights are gathered and
-compared with the reference's, and each rank generates greedily from the sharded model (its own prompts, its own
+compared with the reference's (and those of the plain data-parallel path with small all-reduce buckets), and
+each rank generates greedily from the sharded model (its own prompts, its own
 lengths) and from the reference.
 
     torchrun --nproc-per-node 2 tests/fsdp_update_check.py grpo MODEL_DIR OUT.json
@@ -29,7 +30,7 @@ from common.models import load_model, load_tokenizer  # noqa: E402
 from common.rollout import HFEngine, batched_logprobs  # noqa: E402
 
 
-def update(module, model, batch, rows, args, optimizer, normalise) -> list[float]:
+def update(module, model, batch, rows, args, optimizer, normalise, reduce=lambda model: None) -> list[float]:
     """args.num_iterations optimizer steps on `rows` (one mini-batch), micro-batched; the trainer's loss."""
     grad_norms = []
     for _ in range(args.num_iterations):
@@ -40,6 +41,7 @@ def update(module, model, batch, rows, args, optimizer, normalise) -> list[float
         for micro in rows.split(args.micro_batch_size):
             loss, _ = module.micro_batch_loss(model, batch, micro, args, norm)
             loss.backward()
+        reduce(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
         optimizer.step()
     return grad_norms
@@ -82,6 +84,12 @@ def main():
     all_reduce_grads(model)  # a no-op under FSDP (its backward reduce-scatters)
     fsdp_norms = update(module, model, batch, mine, args, optimizer, all_reduce_sum)
 
+    # plain data parallel: every rank whole, gradients all-reduced in buckets of at most 64 KB (many buckets)
+    dp = copy.deepcopy(policy)
+    dp_opt = torch.optim.AdamW(dp.parameters(), lr=args.learning_rate)
+    update(module, dp, batch, mine, args, dp_opt, all_reduce_sum, lambda m: all_reduce_grads(m, 2**16))
+    dp_diff = max((p - q).abs().max().item() for p, q in zip(dp.parameters(), plain.parameters()))
+
     diffs = {name: (full - plain.state_dict()[name]).abs().max().item() for name, full in full_weights(model)}
     moved = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), policy.parameters()))
     local_numel = sum(p.to_local().numel() for p in model.parameters())
@@ -91,7 +99,8 @@ def main():
     want = HFEngine(plain, tok).generate(own, max_new_tokens=8, greedy=True).texts
     result = {"max_weight_diff": max(diffs.values()), "moved": moved, "plain_grad_norms": plain_norms,
               "fsdp_grad_norms": fsdp_norms, "local_numel": local_numel,
-              "total_numel": sum(p.numel() for p in plain.parameters()), "texts_equal": got == want}
+              "total_numel": sum(p.numel() for p in plain.parameters()), "texts_equal": got == want,
+              "bucketed_dp_weight_diff": dp_diff}
     results = [None] * world
     torch.distributed.all_gather_object(results, result)
     if rank == 0:

@@ -22,7 +22,8 @@ def _torchrun(*cmd, env=None, timeout=300):
 def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir, trainer):
     """Two optimizer steps (clipping active, AdamW, reference model sharded too) on one global batch of 4 groups of
     4: each rank's half through FSDP2 gives the weights of one unsharded model on the whole batch; each rank holds
-    half of the parameters; greedy generation from the sharded model matches the unsharded one."""
+    half of the parameters; greedy generation from the sharded model matches the unsharded one. The plain
+    data-parallel path (bucketed all-reduce) gives the same weights too."""
     out = tmp_path / "out.json"
     r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -33,6 +34,7 @@ def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir
         assert min(res["plain_grad_norms"]) > 0.05  # --max-grad-norm 0.05: the clip was active on both steps
         assert abs(res["local_numel"] - res["total_numel"] / 2) < res["total_numel"] * 0.01
         assert res["texts_equal"]
+        assert res["bucketed_dp_weight_diff"] < 1e-5  # the plain path, its gradients all-reduced in 64 KB buckets
 
 
 TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
