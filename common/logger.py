@@ -161,6 +161,9 @@ def check_run_args(args, min_group_size: int = 2) -> None:
     if args.eval_samples > 0 and args.eval_pass_k > args.eval_samples:
         fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
              "(pass@k is estimated from that many samples per problem)")
+    if getattr(args, "fsdp_mixed_precision", False) and not getattr(args, "fsdp", False):
+        fail("--fsdp-mixed-precision sets the compute dtype of FSDP2's gathered parameters; it needs --fsdp "
+             "(without FSDP use --dtype bfloat16)")
     if getattr(args, "tis", "none") != "none" and args.rollout_backend != "vllm":
         fail(f"--tis {args.tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
              "samples from the trainer itself (use --rollout-backend vllm)")

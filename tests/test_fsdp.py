@@ -129,3 +129,14 @@ def test_trainers_that_cannot_shard_say_so(tmp_path, trainer):
     with pytest.raises(SystemExit, match=rf"^error: --fsdp is not supported by {trainer}.py: ") as e:
         module.main(args)
     assert "\n" not in str(e.value.code)
+
+
+def test_mixed_precision_without_fsdp_is_refused_before_any_work(tmp_path):
+    import tyro
+
+    import grpo
+
+    args = tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), "--fsdp-mixed-precision"])
+    with pytest.raises(SystemExit, match=r"^error: --fsdp-mixed-precision .* needs --fsdp"):
+        grpo.main(args)
+    assert os.listdir(tmp_path) == []
