@@ -64,7 +64,7 @@ import tyro
 from tqdm import tqdm
 
 from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, refuse_fsdp
 from common.evaluate import evaluate
 from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
 from common.models import load_model, load_tokenizer
@@ -98,6 +98,8 @@ class Args:
     """torch device ('cpu', 'cuda')"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the policy weights"""
+    fsdp: bool = False
+    """FSDP2 sharding (docs/fsdp.md); not supported: per-rank hint and probe passes"""
 
     # Model and data
     model_name: str = "testbed-weak"
@@ -433,6 +435,8 @@ def probe_tokens(problem, tokenizer, probe_len: int, cached: list[int] | None = 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: sizes, seeding, run folder
     rank, world, device = init_distributed(args.device)
+    refuse_fsdp(args, "adakp.py", "the hint log-prob pass runs only on ranks that showed knowledge points, the entropy "
+                "probes differ in number between ranks, while under FSDP every forward is a collective")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     args.batch_size = args.num_prompts * args.group_size

@@ -80,7 +80,7 @@ import tyro
 from tqdm import tqdm
 
 from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate
 from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
 from common.models import check_same_vocab, load_model, load_tokenizer, resolve_model
@@ -114,6 +114,11 @@ class Args:
     """torch device ('cpu', 'cuda')"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the student, its reference and both teachers (the official runs use float32 throughout)"""
+    fsdp: bool = False
+    """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
+    root; the reference and both teachers too); without it every rank holds the whole model (docs/fsdp.md)"""
+    fsdp_mixed_precision: bool = False
+    """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
 
     # Model and data
     model_name: str = "testbed-strong"
@@ -442,6 +447,7 @@ def main(args: Args) -> dict:
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
     pre_model = load_model(args.teacher_pre, args.dtype, device).eval().requires_grad_(False)
+    model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = PromptSampler(train_problems, args.seed + rank)

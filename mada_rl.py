@@ -54,6 +54,7 @@ import tyro
 from tqdm import tqdm
 
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, load_problems, render_prompt
+from common.dist import refuse_fsdp
 from common.logger import RunLogger, check_run_args, fail
 from common.models import load_model, load_tokenizer
 from common.rollout import completion_logprobs, make_engine
@@ -84,6 +85,8 @@ class Args:
     """torch device ('cpu', 'cuda')"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the frozen base weights (the LoRA weights follow it)"""
+    fsdp: bool = False
+    """FSDP2 sharding (docs/fsdp.md); not supported here: one process, LoRA adapters switched on one base"""
 
     # Model and data
     model_name: str = "testbed-weak"
@@ -554,6 +557,8 @@ def load_run_agents(run_dir: str, args: Args, device: str):
 
 
 def main(args: Args) -> dict:
+    refuse_fsdp(args, "mada_rl.py", "it runs on one process (no torchrun), with LoRA adapters switched "
+                "in place on one frozen base, which this FSDP2 wrapping does not shard")
     # sizes, seeding, run folder
     args.batch_size = args.num_prompts * args.group_size
     args.minibatch_size = args.batch_size // max(args.num_minibatches, 1)

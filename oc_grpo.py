@@ -58,7 +58,7 @@ import tyro
 from tqdm import tqdm
 
 from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, refuse_fsdp
 from common.evaluate import evaluate
 from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
 from common.models import load_model, load_tokenizer
@@ -91,6 +91,8 @@ class Args:
     """torch device ('cpu', 'cuda')"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the policy weights"""
+    fsdp: bool = False
+    """FSDP2 sharding (docs/fsdp.md); not supported: guided re-generation runs only on ranks with all-fail groups"""
 
     # Model and data
     model_name: str = "testbed-weak"
@@ -385,6 +387,8 @@ def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: sizes, seeding, run folder
     rank, world, device = init_distributed(args.device)
+    refuse_fsdp(args, "oc_grpo.py", "guided re-generation and hint log-probs run only on ranks with all-fail groups, "
+                "while under FSDP every forward is a collective that all ranks join")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     args.batch_size = args.num_prompts * args.group_size

@@ -75,7 +75,7 @@ import tyro
 from tqdm import tqdm
 
 from common.data import fail, load_problems, read_json_records
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, refuse_fsdp
 from common.logger import RunLogger
 from common.models import load_model, load_score_model, load_tokenizer, resolve_model
 from common.rollout import HFEngine, batched_logprobs, left_pad, position_ids
@@ -104,6 +104,8 @@ class Args:
     """torch device ('cpu', 'cuda')"""
     ppo_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of policy and reference in PPO (float32 is the fix; bfloat16 reproduces the ratio overflow)"""
+    fsdp: bool = False
+    """FSDP2 sharding (docs/fsdp.md); not supported: LoRA adapters merged in place"""
 
     # Model and data
     model_name: str = "testbed-weak"
@@ -511,6 +513,8 @@ def pair_accuracy(rm, tokenizer, pairs: list[Example]) -> float:
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: sizes, seeding, run folder
     rank, world, device = init_distributed(args.device)
+    refuse_fsdp(args, "ppo_slm.py", "its policy, reward model and value head are LoRA adapters merged and re-made "
+                "in place on shared bases, which this FSDP2 wrapping does not shard")
     if args.num_prompts % args.minibatch_size:
         raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
                          f"{args.minibatch_size}")

@@ -47,7 +47,7 @@ from common import sandbox
 from common.code_tasks import (CODE_MODEL, TASKS, ensure_code_model, extract_program, judge, load_tasks,
                                render_code_prompt)
 from common.data import PromptSampler, encode_prompts
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
@@ -78,6 +78,11 @@ class Args:
     """torch device ('cpu', 'cuda')"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the policy weights"""
+    fsdp: bool = False
+    """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
+    root; reference model too); without it every rank holds the whole model (docs/fsdp.md)"""
+    fsdp_mixed_precision: bool = False
+    """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
 
     # Model and data
     model_name: str = CODE_MODEL
@@ -450,6 +455,7 @@ def main(args: Args) -> dict:
     print(f"sandbox isolation: {sandbox.isolation()}")
     model = load_model(model_path, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = PromptSampler(train_tasks, args.seed + rank)

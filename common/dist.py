@@ -1,12 +1,30 @@
 """Data parallelism under `torchrun`, written out: every rank samples its own prompts, and
-gradients and loss normalisers are summed across ranks (no DDP wrapper)."""
+gradients and loss normalisers are summed across ranks (no DDP wrapper).
+
+Two ways to hold the model:
+- plain (default): every rank keeps the whole model and optimizer; after backward,
+  `all_reduce_grads` sums the gradients in buckets of at most 25 MB.
+- `--fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every decoder layer (and on
+  untied input and output embeddings) and on the root, so each rank keeps 1/world of the
+  parameters, gradients and AdamW state; a layer's parameters are all-gathered just before its
+  forward and its gradients reduce-scattered (summed, not averaged) right after its backward.
+  `shard_models` wraps the policy and the reference/teacher models the same way;
+  `clip_grad_norm_` on the sharded parameters computes the global norm. Generation under FSDP
+  runs inside `unsharded(model)` (every layer gathered once, no collective per decoding step,
+  so ranks may stop at different lengths), and a separate sampler gets full tensors one
+  parameter at a time (`full_weights`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.distributed as dist
+
+BUCKET_BYTES = 25 * 2**20
+"""plain data parallel: gradients are all-reduced in flat buckets of at most this many bytes"""
 
 
 def init_distributed(device: str) -> tuple[int, int, str]:
@@ -40,17 +58,34 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_reduce_grads(model) -> None:
-    """Sum gradients over ranks; the loss was already divided by the global normaliser."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _reduce_bucket(grads: list[torch.Tensor]) -> None:
+    if len(grads) == 1 and grads[0].is_contiguous():
+        _all_reduce_(grads[0])
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    _all_reduce_(flat)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def all_reduce_grads(model, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum gradients over ranks; the loss was already divided by the global normaliser. Gradients go in buckets of
+    at most `bucket_bytes` (one of the same dtype, in parameter order), so the extra memory is one bucket, not a
+    copy of every gradient. Nothing to do under FSDP: its backward already reduce-scattered the summed gradients."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or is_sharded(model):
+        return
+    bucket, size = [], 0
+    for g in (p.grad for p in model.parameters() if p.grad is not None):
+        nbytes = g.numel() * g.element_size()
+        if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype):
+            _reduce_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        _reduce_bucket(bucket)
 
 
 def all_reduce_mean(metrics: dict) -> dict:
@@ -61,3 +96,108 @@ def all_reduce_mean(metrics: dict) -> dict:
     t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
     _all_reduce_(t)
     return {**metrics, **{k: (t[i] / dist.get_world_size()).item() for i, k in enumerate(keys)}}
+
+
+# ----------------------------------------------------------------------------------------
+# FSDP2
+# ----------------------------------------------------------------------------------------
+
+
+def is_sharded(model) -> bool:
+    """Whether `model` was wrapped by `fully_shard` (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The modules to shard one by one: those whose class the model names in `_no_split_modules` (the decoder
+    layers of a Hugging Face model, e.g. Qwen2DecoderLayer)."""
+    names = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names and m is not model]
+
+
+def shard_models(args, *models):
+    """With `args.fsdp`: FSDP2 on every decoder layer and then on the root of each model (None passes through),
+    all on one mesh over every rank; gradients are summed over ranks (the losses are divided by global
+    normalisers, as on the plain path). `args.fsdp_mixed_precision`: compute with bfloat16 copies of the
+    parameters and reduce gradients in float32; the sharded parameters and AdamW state keep --dtype. Without
+    --fsdp the models come back unchanged. One process with --fsdp gets a one-rank group (same code path)."""
+    if not getattr(args, "fsdp", False):
+        return models
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = next(m for m in models if m is not None).device if any(m is not None for m in models) else None
+    if not dist.is_initialized():  # a single process: a group of one, so that FSDP has a mesh
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(device.type if device is not None else "cpu", (dist.get_world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if getattr(args, "fsdp_mixed_precision", False) else MixedPrecisionPolicy())
+    for model in models:
+        if model is None:
+            continue
+        units = decoder_layers(model)
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and embed is not None and head.weight is not embed.weight:  # untied: units of their own
+            units += [embed, head]  # (tied ones share a parameter and stay with the root)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # final norm, tied embeddings
+        for m in model.modules():  # these two setters are per module, not recursive
+            if is_sharded(m):
+                m.set_gradient_divide_factor(1.0)  # sum over ranks, as all_reduce_grads does ...
+                m.set_force_sum_reduction_for_comms(True)  # ... with ReduceOp.SUM (gloo has no PREMUL_SUM)
+    return models
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Gather every FSDP-sharded layer of `model` once and keep it gathered inside the block (generation: no
+    collective per forward, so ranks may run different numbers of decoding steps); reshard on exit. The full
+    parameters cost one model's memory per rank meanwhile. Does nothing for a plain model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not mods:
+        yield model
+        return
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(m is not model, recurse=False)
+
+
+def full_weights(model):
+    """(name, full tensor) for every entry of the state dict, one at a time: a sharded (DTensor) entry is
+    all-gathered on its own just before it is yielded, so no rank ever holds a whole gathered state dict. Every rank
+    must iterate to the end (each gather is a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def agree(flag: bool, model) -> bool:
+    """True only if `flag` holds on every rank, when `model` is sharded (its forwards are collectives, so every rank
+    must take the same branch); `flag` itself otherwise."""
+    if not is_sharded(model) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([0.0 if flag else 1.0])
+    all_reduce_sum(t)
+    return t.item() == 0.0
+
+
+def refuse_fsdp(args, script: str, reason: str) -> None:
+    """A trainer that cannot run sharded: a one-line error for --fsdp, before any work."""
+    if getattr(args, "fsdp", False):
+        raise SystemExit(f"error: --fsdp is not supported by {script}: {reason}; run it without --fsdp "
+                         "(every rank holds the whole model)")

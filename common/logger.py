@@ -134,6 +134,8 @@ def plot_curve(metrics_path: str, out_path: str) -> None:
 # (step, world size, optimizer, scheduler and whatever the trainer adds) and rank{r}_state.pt for every rank r
 # (that rank's Python/NumPy/torch RNG states and its prompt sampler), so that under torchrun each rank continues
 # its own random stream and data order.
+# Under --fsdp (FSDP2) every rank also writes its model and AdamW shards to checkpoint/sharded through
+# torch.distributed.checkpoint (what resume reads), and model.safetensors is the consolidated export.
 
 KILL_AFTER_SAVE = "TINYPOST_TEST_KILL_AFTER_SAVE"
 """tests: SIGKILL the process right after the checkpoint of this step is written (a deterministic crash point)"""
@@ -159,6 +161,9 @@ def check_run_args(args, min_group_size: int = 2) -> None:
     if args.eval_samples > 0 and args.eval_pass_k > args.eval_samples:
         fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
              "(pass@k is estimated from that many samples per problem)")
+    if getattr(args, "fsdp_mixed_precision", False) and not getattr(args, "fsdp", False):
+        fail("--fsdp-mixed-precision sets the compute dtype of FSDP2's gathered parameters; it needs --fsdp "
+             "(without FSDP use --dtype bfloat16)")
     if getattr(args, "tis", "none") != "none" and args.rollout_backend != "vllm":
         fail(f"--tis {args.tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
              "samples from the trainer itself (use --rollout-backend vllm)")
@@ -181,22 +186,34 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
                     extra: dict | None = None) -> str | None:
     """Called by every rank. Rank 0 writes run_dir/checkpoint atomically (a crash mid-write leaves the previous
     one intact), with each rank's RNG states and sampler gathered into rank{r}_state.pt."""
+    from common.dist import is_sharded
+
     own = {"rng": rng_state(), "sampler": sampler.state_dict()}
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     owns = [own] if world == 1 else [None] * world
+    sharded, rank = is_sharded(model), dist.get_rank() if world > 1 else 0
     if world > 1:
-        dist.gather_object(own, owns if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() != 0:
+        dist.gather_object(own, owns if rank == 0 else None, dst=0)
+        if rank != 0 and not sharded:
             return None
     final = os.path.join(run_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if sharded:  # FSDP2: every rank writes its shards; rank 0 also the consolidated model
+        if world > 1:
+            dist.barrier()  # tmp is cleared before anyone writes into it
+        save_sharded(tmp, model, optimizer)
+        if rank != 0:
+            return None
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     for r, state in enumerate(owns):
         torch.save(state, os.path.join(tmp, f"rank{r}_state.pt"))
-    torch.save({"step": step, "world_size": world, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), **(extra or {})}, os.path.join(tmp, "trainer_state.pt"))
+    torch.save({"step": step, "world_size": world, "optimizer": None if sharded else optimizer.state_dict(),
+                "fsdp": sharded, "scheduler": scheduler.state_dict(), **(extra or {})},
+               os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(final):
         os.replace(final, old)
@@ -205,6 +222,38 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
     if os.environ.get(KILL_AFTER_SAVE) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
     return final
+
+
+SHARDED = "sharded"
+"""FSDP2 checkpoints: the torch.distributed.checkpoint folder (model and AdamW shards) inside checkpoint/"""
+
+
+def save_sharded(path: str, model, optimizer) -> None:
+    """Called by every rank of an FSDP2 model: model and optimizer shards through torch.distributed.checkpoint into
+    path/sharded (each rank writes its own), then the full weights gathered to rank 0's CPU and written with
+    save_pretrained into path, so that the folder loads with from_pretrained."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(path, SHARDED))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=full)
+        plain = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers"))
+        model.config.architectures = [plain.__name__]  # not FSDP's generated subclass
+        model.config.save_pretrained(path)
+
+
+def load_sharded(path: str, model, optimizer) -> None:
+    """Every rank: read its shards of the model and optimizer from path/sharded into an FSDP2 model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(path, SHARDED))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def find_checkpoint(run_dir: str) -> str | None:
@@ -253,6 +302,8 @@ def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
             fail(f"{where}: {weights} is truncated or corrupt ({_first_line(e)})")
     elif not os.path.exists(weights + ".index.json"):  # a sharded checkpoint has an index instead
         fail(f"{where}: {weights} is missing")
+    if state.get("fsdp") and not os.path.isdir(os.path.join(path, SHARDED)):
+        fail(f"{where}: {os.path.join(path, SHARDED)} is missing (the model and optimizer shards of an --fsdp run)")
     saved_world = state.get("world_size", 1)
     if saved_world != world:
         fail(f"{where}: the checkpoint was written by {saved_world} process(es) and this run has {world}; each rank's "
@@ -276,9 +327,17 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
     from common.models import load_model
 
     state, own, where = ckpt["state"], ckpt["own"], ckpt["where"]
+    from common.dist import is_sharded
+
+    if bool(state.get("fsdp")) != is_sharded(model):
+        fail(f"{where}: the checkpoint was written {'with' if state.get('fsdp') else 'without'} --fsdp; resume "
+             f"{'with' if state.get('fsdp') else 'without'} it")
     try:
-        model.load_state_dict(load_model(ckpt["path"], dtype, device).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
+        if state.get("fsdp"):
+            load_sharded(ckpt["path"], model, optimizer)
+        else:
+            model.load_state_dict(load_model(ckpt["path"], dtype, device).state_dict())
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(own["sampler"])
     except Exception as e:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.dist import agree, full_weights, unsharded
+
 
 @dataclass
 class Rollouts:
@@ -180,12 +182,13 @@ class HFEngine:
         model.eval()
         completions, logps = [], []
         per_chunk = max(1, self.max_batch // n)
-        for s in range(0, len(prompt_ids), per_chunk):
-            ids, mask = ids_UP[s : s + per_chunk].to(device), mask_UP[s : s + per_chunk].to(device)
-            sample = self._sample_loop if self.loop else self._generate
-            comp, lp = sample(ids, mask, n, temperature, top_p, max_new_tokens, greedy, return_logprobs)
-            completions.append(comp.cpu())
-            logps.append(lp.cpu() if lp is not None else None)
+        with unsharded(model):  # FSDP: layers gathered once for the whole generation (no-op for a plain model)
+            for s in range(0, len(prompt_ids), per_chunk):
+                ids, mask = ids_UP[s : s + per_chunk].to(device), mask_UP[s : s + per_chunk].to(device)
+                sample = self._sample_loop if self.loop else self._generate
+                comp, lp = sample(ids, mask, n, temperature, top_p, max_new_tokens, greedy, return_logprobs)
+                completions.append(comp.cpu())
+                logps.append(lp.cpu() if lp is not None else None)
         model.train(was_training)
         width = max(c.shape[1] for c in completions)
         comp_BC = torch.cat([F.pad(c, (0, width - c.shape[1]), value=tok.pad_token_id) for c in completions])
@@ -327,7 +330,7 @@ class VLLMEngine:
     def sync_weights(self, model) -> None:
         """Load the trainer's current weights into the engine in place; drop stale cached prefixes."""
         self._wake()
-        weights = ((name, p.detach()) for name, p in model.state_dict().items())
+        weights = full_weights(model)  # one full tensor at a time (FSDP shards are gathered parameter by parameter)
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()
 
@@ -398,7 +401,8 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int) -
     C = T - prompt_len
     pos_BT = position_ids(attention_mask_BT)
     starts_U, counts_U = prompt_groups(input_ids_BT[:, :prompt_len], attention_mask_BT[:, :prompt_len])
-    if len(starts_U) * 2 <= B:  # at least two rows per prompt on average: share the prompt
+    if agree(len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows per prompt on average: share it
+        # (agree: under FSDP every rank must run the same number of forwards, each a collective)
         head = model(input_ids=input_ids_BT[starts_U, :prompt_len], attention_mask=attention_mask_BT[starts_U, :prompt_len],
                      position_ids=pos_BT[starts_U, :prompt_len], use_cache=True, logits_to_keep=1)
         if expand_cache(head.past_key_values, counts_U):

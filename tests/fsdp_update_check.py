@@ -1,0 +1,112 @@
+"""Run under `torchrun --nproc-per-node 2`: the same global rollout batch updated two ways, and the results written
+to a JSON file for tests/test_fsdp.py.
+
+- reference: one unsharded copy of the model takes the whole batch (every rank computes it alone, no collective);
+- FSDP2: `shard_models` wraps the policy (and the reference model), each rank takes its half of the groups, with
+  the loss normalisers summed over ranks, as the trainer does.
+
+Two optimizer steps (two PPO epochs over the batch, clipping active), then the sharded weights are gathered and
+compared with the reference's (and those of the plain data-parallel path with small all-reduce buckets), and
+each rank generates greedily from the sharded model (its own prompts, its own
+lengths) and from the reference.
+
+    torchrun --nproc-per-node 2 tests/fsdp_update_check.py grpo MODEL_DIR OUT.json
+"""
+
+import copy
+import importlib
+import json
+import os
+import sys
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
+from common.dist import all_reduce_grads, all_reduce_sum, full_weights, init_distributed, shard_models  # noqa: E402
+from common.models import load_model, load_tokenizer  # noqa: E402
+from common.rollout import HFEngine, batched_logprobs  # noqa: E402
+
+
+def update(module, model, batch, rows, args, optimizer, normalise, reduce=lambda model: None) -> list[float]:
+    """args.num_iterations optimizer steps on `rows` (one mini-batch), micro-batched; the trainer's loss."""
+    grad_norms = []
+    for _ in range(args.num_iterations):
+        mask_BC = batch["mask_BC"][rows]
+        norm_t = normalise(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()), float(len(rows))]))
+        norm = {"tokens": norm_t[0].item(), "seqs": norm_t[2].item()}
+        optimizer.zero_grad(set_to_none=True)
+        for micro in rows.split(args.micro_batch_size):
+            loss, _ = module.micro_batch_loss(model, batch, micro, args, norm)
+            loss.backward()
+        reduce(model)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+        optimizer.step()
+    return grad_norms
+
+
+def main():
+    trainer, model_dir, out_path = sys.argv[1:4]
+    module = importlib.import_module(trainer)
+    rank, world, device = init_distributed("cpu")
+    args = tyro.cli(module.Args, args=["--model-name", model_dir, "--fsdp", "--num-prompts", "4", "--group-size", "4",
+                                       "--micro-batch-size", "3", "--num-iterations", "2", "--max-new-tokens", "6",
+                                       "--beta", "0.05", "--max-grad-norm", "0.05", "--learning-rate", "1e-4"])
+    tok = load_tokenizer(model_dir)
+    policy = load_model(model_dir)
+    problems = load_problems("testbed", "train", (3,), 0, 1)[:4]
+    prompts = encode_prompts(tok, [render_prompt(p, tok) for p in problems])
+    torch.manual_seed(0)  # the same global batch on every rank
+    rollouts = HFEngine(policy, tok).generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens)
+    rewards_PG = torch.randint(0, 2, (len(problems), args.group_size)).float()
+    adv_PG = (module.group_advantages(rewards_PG, "group_std", 1e-6) if trainer == "grpo"
+              else module.rloo_advantages(rewards_PG))[0]
+    B = len(rollouts.texts)
+
+    def make_batch(model, ref):
+        return dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                    prompt_len=rollouts.prompt_len, mask_BC=rollouts.completion_mask_BC, adv_B=adv_PG.flatten(),
+                    sampler_logp_BC=None, old_logp_BC=batched_logprobs(model, rollouts, 1.0, args.micro_batch_size),
+                    ref_logp_BC=batched_logprobs(ref, rollouts, 1.0, args.micro_batch_size))
+
+    # reference: the whole batch on one unsharded model
+    plain, plain_ref = copy.deepcopy(policy), copy.deepcopy(policy).requires_grad_(False)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=args.learning_rate)
+    plain_norms = update(module, plain, make_batch(plain, plain_ref), torch.arange(B), args, plain_opt, lambda t: t)
+
+    # FSDP2: this rank's half of the groups; old and reference log-probs from the sharded models
+    model, ref = shard_models(args, copy.deepcopy(policy), copy.deepcopy(policy).requires_grad_(False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    batch = make_batch(model, ref)
+    mine = torch.arange(B).view(world, -1)[rank]
+    all_reduce_grads(model)  # a no-op under FSDP (its backward reduce-scatters)
+    fsdp_norms = update(module, model, batch, mine, args, optimizer, all_reduce_sum)
+
+    # plain data parallel: every rank whole, gradients all-reduced in buckets of at most 64 KB (many buckets)
+    dp = copy.deepcopy(policy)
+    dp_opt = torch.optim.AdamW(dp.parameters(), lr=args.learning_rate)
+    update(module, dp, batch, mine, args, dp_opt, all_reduce_sum, lambda m: all_reduce_grads(m, 2**16))
+    dp_diff = max((p - q).abs().max().item() for p, q in zip(dp.parameters(), plain.parameters()))
+
+    diffs = {name: (full - plain.state_dict()[name]).abs().max().item() for name, full in full_weights(model)}
+    moved = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), policy.parameters()))
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    # generation from the sharded model: each rank its own prompt, greedy, against the reference
+    own = prompts[rank::world]
+    got = HFEngine(model, tok).generate(own, max_new_tokens=8, greedy=True).texts
+    want = HFEngine(plain, tok).generate(own, max_new_tokens=8, greedy=True).texts
+    result = {"max_weight_diff": max(diffs.values()), "moved": moved, "plain_grad_norms": plain_norms,
+              "fsdp_grad_norms": fsdp_norms, "local_numel": local_numel,
+              "total_numel": sum(p.numel() for p in plain.parameters()), "texts_equal": got == want,
+              "bucketed_dp_weight_diff": dp_diff}
+    results = [None] * world
+    torch.distributed.all_gather_object(results, result)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

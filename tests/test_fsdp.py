@@ -1,0 +1,142 @@
+"""FSDP2 (`--fsdp`) under torchrun, gloo on CPU, 2 processes: the sharded update equals the one-process update on
+the same global batch, a sharded checkpoint resumes, the trainers run, and the plain path's bucketed all-reduce."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _torchrun(*cmd, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *cmd], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec"])
+def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir, trainer):
+    """Two optimizer steps (clipping active, AdamW, reference model sharded too) on one global batch of 4 groups of
+    4: each rank's half through FSDP2 gives the weights of one unsharded model on the whole batch; each rank holds
+    half of the parameters; greedy generation from the sharded model matches the unsharded one. The plain
+    data-parallel path (bucketed all-reduce) gives the same weights too."""
+    out = tmp_path / "out.json"
+    r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for res in json.loads(out.read_text()):
+        assert res["moved"] > 1e-4  # the update is large enough for the comparison to mean something
+        assert res["max_weight_diff"] < 1e-5, res
+        assert res["fsdp_grad_norms"] == pytest.approx(res["plain_grad_norms"], rel=1e-5)
+        assert min(res["plain_grad_norms"]) > 0.05  # --max-grad-norm 0.05: the clip was active on both steps
+        assert abs(res["local_numel"] - res["total_numel"] / 2) < res["total_numel"] * 0.01
+        assert res["texts_equal"]
+        assert res["bucketed_dp_weight_diff"] < 1e-5  # the plain path, its gradients all-reduced in 64 KB buckets
+
+
+TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
+        "--eval-samples", "0", "--eval-every", "0", "--fsdp"]
+
+
+def _run(script, tmp_path, *extra, env=None):
+    return _torchrun(script, *TINY, "--total-steps", "4", "--save-every", "2", "--output-dir", str(tmp_path), *extra,
+                     env=env)
+
+
+def _rows(run_dir) -> dict:
+    from common.logger import read_metrics
+
+    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r}
+
+
+def _weights(folder) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
+
+
+def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_path, weak_model_dir):
+    """grpo.py --fsdp on 2 ranks, killed right after the sharded checkpoint of step 2 and resumed from it: steps 3-4
+    log what an uninterrupted run logs, and the consolidated export (from_pretrained) has the same final weights.
+    Each rank wrote its own shard files; the export's config names the plain model class."""
+    from common.logger import KILL_AFTER_SAVE
+
+    straight = _run("grpo.py", tmp_path, "--run-name", "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _run("grpo.py", tmp_path, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
+    assert killed.returncode != 0
+    run_dir = tmp_path / "killed"
+    state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2 and state["fsdp"] and state["world_size"] == 2
+    assert sorted(os.listdir(run_dir / "checkpoint" / "sharded")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    resumed = _run("grpo.py", tmp_path, "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in (3, 4):
+        for key in [k for k in ref[s] if k.startswith(("reward/", "rollout/", "optim/lr"))]:
+            assert got[s][key] == ref[s][key], (s, key)
+        assert got[s]["loss/policy"] == pytest.approx(ref[s]["loss/policy"], abs=1e-6), s
+        assert got[s]["optim/grad_norm"] == pytest.approx(ref[s]["optim/grad_norm"], rel=1e-5), s
+    want, have, start = (_weights(tmp_path / "straight" / "checkpoint"), _weights(run_dir / "checkpoint"),
+                         _weights(weak_model_dir))
+    assert json.loads((run_dir / "checkpoint" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert max((want[k] - have[k]).abs().max().item() for k in want) < 1e-6
+    assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-5  # training moved the weights
+
+    # the sharded checkpoint needs --fsdp to resume: a one-line error, nothing lost
+    before = (run_dir / "metrics.jsonl").read_text()
+    plain = _torchrun("grpo.py", *TINY[:-1], "--total-steps", "6", "--resume", str(run_dir))
+    assert plain.returncode != 0 and "written with --fsdp; resume with it" in plain.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its sandbox; direct_opd: teachers given)
+    "rloo_sec.py": [*TINY],
+    "grpo.py": [*TINY, "--fsdp-mixed-precision", "--beta", "0.05"],
+    "rlpf.py": ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "24", "--tasks", "sum_range",
+                "--eval-samples", "0", "--eval-every", "0", "--timing-repeats", "1", "--fsdp"],
+    "direct_opd.py": [*TINY, "--model-name", "WEAK", "--teacher-pre", "WEAK", "--teacher-post", "WEAK"],
+}
+
+
+@pytest.mark.parametrize("script", list(SMOKE))
+def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
+    """2 ranks, --fsdp: 2 steps, metrics logged once, a sharded checkpoint with each rank's shard file and a
+    consolidated model.safetensors. grpo.py also with bf16 compute (--fsdp-mixed-precision) and a sharded
+    reference model; direct_opd.py with its reference and both teachers sharded."""
+    flags = [weak_model_dir if f == "WEAK" else f for f in SMOKE[script]]
+    r = _torchrun(script, *flags, "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "smoke")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(tmp_path / "smoke")
+    assert sorted(rows) == [1, 2] and all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows.values())
+    ckpt = tmp_path / "smoke" / "checkpoint"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "sharded"))
+    assert os.path.exists(ckpt / "model.safetensors")
+
+
+@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "ppo_slm", "mada_rl"])
+def test_trainers_that_cannot_shard_say_so(tmp_path, trainer):
+    import importlib
+
+    import tyro
+
+    module = importlib.import_module(trainer)
+    args = tyro.cli(module.Args, args=["--output-dir", str(tmp_path), "--fsdp", "--model-name", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match=rf"^error: --fsdp is not supported by {trainer}.py: ") as e:
+        module.main(args)
+    assert "\n" not in str(e.value.code)
+
+
+def test_mixed_precision_without_fsdp_is_refused_before_any_work(tmp_path):
+    import tyro
+
+    import grpo
+
+    args = tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), "--fsdp-mixed-precision"])
+    with pytest.raises(SystemExit, match=r"^error: --fsdp-mixed-precision .* needs --fsdp"):
+        grpo.main(args)
+    assert os.listdir(tmp_path) == []
