@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _torchrun(*cmd, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *cmd], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *cmd], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 

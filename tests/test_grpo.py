@@ -119,7 +119,7 @@ def test_math_dataset_runs_end_to_end_on_a_local_file(tmp_path, weak_model_dir):
 
 def test_torchrun_two_ranks(tmp_path, weak_model_dir):
     """Data parallel under torchrun (gloo on CPU): both ranks train, rank 0 logs and saves."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *TINY,
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "grpo.py", *TINY,
                         "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "ddp"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

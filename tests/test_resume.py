@@ -30,7 +30,7 @@ def _rows(run_dir) -> dict:
 
 
 def _torchrun(script, tmp_path, *extra, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, *TINY,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *TINY,
            "--total-steps", "4", "--save-every", "2", "--output-dir", str(tmp_path), *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
