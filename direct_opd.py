@@ -26,9 +26,9 @@ of the official `token_reward_direct_plus_grpo` estimator, off by default there 
 
 Four models: the student (trained), a frozen copy of it (pi_ref), and the frozen teacher pair. All
 three must share one vocabulary: the student's token ids go to the teachers unchanged; this is
-checked before anything is loaded. By default the weak pair is built here: `--teacher-pre`
-(testbed-weak) before and after `--teacher-grpo-steps` of `grpo.py` on the same data, cached under
-the testbed cache (TINYPOST_CACHE) keyed by those settings, so only the first run pays for it.
+checked before anything is loaded. The demo's weak pair is testbed-weak before and after a short
+rejection-sampling fine-tuning on level 3 (common.testbed.ensure_testbed_teacher_pair: built once,
+about a minute, and cached); with any other --teacher-pre, --teacher-post is required.
 
 Left out, on purpose: the official recipe's several sequential shifts (run the script again with the
 next pair), teacher-side top-K strategies other than the student's own support (`only_stu`), and
@@ -48,7 +48,7 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
     kl/coef                            the KL coefficient beta used at this step
     eval/teacher_{pre,post}_greedy_accuracy   held-out greedy accuracy of each teacher (step 0)
 
-    python direct_opd.py                    # CPU demo: builds the weak pair once (~5 min), then 200 steps (~3.5 min)
+    python direct_opd.py                    # CPU demo: builds the weak pair once (~2 min), then 200 steps (~3.5 min)
     python direct_opd.py --reward vanilla_opd
     python direct_opd.py --teacher-post testbed-weak    # control: identical teachers, Delta = 0, no change
     # real models on a GPU: the weak pair is your own GRPO run, then its shift goes to a larger student
@@ -63,12 +63,9 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
 """
 
 import copy
-import hashlib
-import json
 import os
 import random
 import resource
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -83,9 +80,9 @@ from common.data import PromptSampler, encode_prompts, load_problems, render_pro
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.evaluate import evaluate
 from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
-from common.models import check_same_vocab, load_model, load_tokenizer, resolve_model
+from common.models import check_same_vocab, load_model, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
-from common.testbed import cache_root
+from common.testbed import ensure_testbed_teacher_pair
 from common.verifiers import score
 
 
@@ -121,10 +118,8 @@ class Args:
     teacher_pre: str = "testbed-weak"
     """the weak teacher before its RL run (pi_T_pre); same forms as --model-name"""
     teacher_post: str = ""
-    """the weak teacher after its RL run (pi_T_post); '' builds it: --teacher-pre after --teacher-grpo-steps of grpo.py
-    on this run's data (cached)"""
-    teacher_grpo_steps: int = 300
-    """GRPO steps (grpo.py defaults otherwise, seed 1) when --teacher-post is built here"""
+    """the weak teacher after its RL run (pi_T_post); '' with --teacher-pre testbed-weak: the demo pair's post model
+    (testbed-weak after rejection-sampling fine-tuning on level 3, built once and cached)"""
     dataset: str = "testbed"
     """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
     dataset_config: str | None = None
@@ -230,47 +225,16 @@ class Args:
     """rollouts per optimizer step = batch_size // num_minibatches"""
 
 
-# The default weak pair: the teacher before and after a short grpo.py run, cached by its settings
-def teacher_post_settings(args: Args) -> dict:
-    """What the built teacher depends on (not the device: a teacher built on CPU serves a GPU run too)."""
-    return dict(pre=resolve_model(args.teacher_pre), steps=args.teacher_grpo_steps, dataset=args.dataset,
-                dataset_config=args.dataset_config, levels=list(args.levels), max_new_tokens=args.max_new_tokens,
-                dtype=args.dtype, seed=1)
-
-
-def teacher_post_dir(args: Args) -> str:
-    key = hashlib.sha256(json.dumps(teacher_post_settings(args), sort_keys=True).encode()).hexdigest()[:12]
-    return os.path.join(cache_root(), f"direct_opd-teacher-post-{key}")
-
-
-def build_teacher_post(args: Args, world: int) -> str:
-    """The cached post-RL teacher, training it with grpo.py first if it is missing."""
-    path = teacher_post_dir(args)
-    if os.path.exists(os.path.join(path, "TEACHER_DONE.json")):
-        return path
-    if world > 1:
-        raise SystemExit(f"error: the default post-RL teacher is not built yet; build it once without torchrun "
-                         f"(python direct_opd.py --total-steps 0), or pass --teacher-post <folder>")
-    import grpo
-
-    print(f"[direct_opd] building the post-RL teacher: {args.teacher_pre} + {args.teacher_grpo_steps} grpo.py steps "
-          f"-> {path} (once; cached afterwards)")
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    s = teacher_post_settings(args)
-    out = grpo.main(grpo.Args(model_name=args.teacher_pre, total_steps=s["steps"], dataset=args.dataset,
-                              dataset_config=args.dataset_config, levels=args.levels, max_new_tokens=args.max_new_tokens,
-                              device=args.device, dtype=args.dtype, seed=s["seed"], eval_every=0, eval_samples=0,
-                              num_eval_problems=args.num_eval_problems, output_dir=tmp, run_name="grpo"))
-    shutil.copytree(os.path.join(out["run_dir"], "checkpoint"), os.path.join(tmp, "model"),
-                    ignore=shutil.ignore_patterns("*_state.pt"))  # the weights, without the trainer's state
-    shutil.copy(os.path.join(out["run_dir"], "metrics.jsonl"), os.path.join(tmp, "model", "grpo_metrics.jsonl"))
-    with open(os.path.join(tmp, "model", "TEACHER_DONE.json"), "w") as f:
-        json.dump(dict(settings=s, before=out["before"], after=out["after"]), f, indent=2)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(os.path.join(tmp, "model"), path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return path
+def default_teacher_post(teacher_pre: str, world: int) -> str:
+    """The demo pair's post model (cached; built on first use), or a one-line error when there is none."""
+    if teacher_pre != "testbed-weak":
+        raise SystemExit(f"error: --teacher-post is required with --teacher-pre {teacher_pre} (the built-in pair is "
+                         "for testbed-weak only): pass the folder of the teacher after its RL run")
+    pair = ensure_testbed_teacher_pair(build=world == 1)
+    if pair is None:
+        raise SystemExit("error: the default teacher pair is not built yet; build it once without torchrun "
+                         "(python direct_opd.py --total-steps 0), or pass --teacher-post <folder>")
+    return pair[1]
 
 
 # ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient
@@ -427,7 +391,7 @@ def main(args: Args) -> dict:
     if args.teacher_post:
         vocab_check[f"teacher_post ({args.teacher_post})"] = load_tokenizer(args.teacher_post)
     check_same_vocab(vocab_check)
-    teacher_post = args.teacher_post or build_teacher_post(args, world)
+    teacher_post = args.teacher_post or default_teacher_post(args.teacher_pre, world)
 
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)

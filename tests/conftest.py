@@ -35,3 +35,25 @@ def weak_model_dir():
     from common.testbed import ensure_testbed_model
 
     return ensure_testbed_model("testbed-weak", progress=False)
+
+
+@pytest.fixture
+def copy_alone(tmp_path):
+    """copy_alone("grpo.py") -> a fresh folder holding only that trainer and common/ (no tests, no other trainer),
+    to run it from as a user who copied just those would."""
+    import shutil
+
+    def copy(script: str) -> str:
+        folder = tmp_path / f"alone_{script[:-3]}"
+        folder.mkdir()
+        shutil.copy(os.path.join(ROOT, script), folder / script)
+        shutil.copytree(os.path.join(ROOT, "common"), folder / "common",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        return str(folder)
+
+    return copy
+
+
+def alone_env() -> dict:
+    """The environment for a trainer run from a copy_alone folder: nothing of this checkout on the import path."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

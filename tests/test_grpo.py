@@ -15,6 +15,7 @@ import tyro
 
 import grpo
 from common.logger import KILL_AFTER_SAVE, read_metrics
+from conftest import alone_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "16", "--num-eval-problems", "8",
@@ -40,9 +41,11 @@ def test_help_documents_every_flag():
         assert src.splitlines()[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
 
 
-def test_subprocess_smoke_run(tmp_path, weak_model_dir):
+def test_subprocess_smoke_run(tmp_path, weak_model_dir, copy_alone):
+    """Run from a folder holding only grpo.py and common/."""
     r = subprocess.run([sys.executable, "grpo.py", *TINY, "--total-steps", "2", "--output-dir", str(tmp_path),
-                        "--run-name", "smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "--run-name", "smoke"], cwd=copy_alone("grpo.py"), env=alone_env(), capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "held-out greedy accuracy" in r.stdout
     rows = read_metrics(tmp_path / "smoke" / "metrics.jsonl")
