@@ -209,15 +209,8 @@ class Args:
     max_rollbacks: int = 5
     """stop training after this many rollbacks"""
 
-    # Fault injection (tests and benchmarks)
     rm_noise_std: float = 0.0
-    """Gaussian noise added to every raw RM score (a deliberately noisy reward model)"""
-    inject_nonfinite_scores: float = 0.0
-    """fraction of RM scores replaced by NaN or inf"""
-    inject_inf_weight_step: int = 0
-    """after this step's update, set one trainable weight to inf (0: never)"""
-    inject_ratio_step: int = 0
-    """at this step, lower the old log-probs by 5 nats so that ratios are about e^5 (0: never)"""
+    """Gaussian noise added to every raw RM score (a deliberately noisy reward model, benchmarks/ppo_slm_benchmark.py)"""
 
     # Evaluation
     num_eval_prompts: int = 200
@@ -418,6 +411,35 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
     return pg_loss + args.vf_coef * vf_loss, stats
 
 
+@torch.no_grad()
+def old_logprobs_values(policy, v_head, ro, args: Args, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and values of the rollouts under the policy that sampled them, minibatch_size rows at a time."""
+    parts = [policy_forward(policy, v_head, ro.input_ids_BT[r].to(device), ro.attention_mask_BT[r].to(device),
+                            ro.prompt_len, args.temperature)
+             for r in torch.arange(len(ro.input_ids_BT)).split(args.minibatch_size)]
+    mask_BC = ro.completion_mask_BC
+    return torch.cat([p[0] for p in parts]).cpu() * mask_BC, torch.cat([p[1] for p in parts]).cpu() * mask_BC
+
+
+def all_finite(params: dict) -> bool:
+    return all(torch.isfinite(p).all() for p in params.values())
+
+
+def healthy_state(params: dict, optimizer) -> tuple[dict, dict]:
+    """A copy of the trainable weights and the optimizer state, to roll back to."""
+    return {n: p.detach().clone() for n, p in params.items()}, copy.deepcopy(optimizer.state_dict())
+
+
+@torch.no_grad()
+def roll_back(params: dict, optimizer, healthy: tuple[dict, dict]) -> None:
+    """Restore the weights (and, when given, the optimizer state) of the last healthy_state."""
+    weights, opt_state = healthy
+    for n, p in params.items():
+        p.copy_(weights[n])
+    if optimizer is not None:
+        optimizer.load_state_dict(opt_state)
+
+
 def check_not_frozen(lm_params: dict, before: dict) -> float:
     """The silent-freeze check: trainable LM (LoRA) parameters exist and moved in the first update."""
     if not lm_params:
@@ -548,7 +570,7 @@ def main(args: Args) -> dict:
     trainable = {n: p for n, p in actor_critic.named_parameters() if p.requires_grad}
     lm_params = {n: p for n, p in trainable.items() if not n.startswith("v_head")}
     optimizer = torch.optim.AdamW(trainable.values(), lr=args.learning_rate)
-    healthy = ({n: p.detach().clone() for n, p in trainable.items()}, copy.deepcopy(optimizer.state_dict()))
+    healthy = healthy_state(trainable, optimizer)
     guard, moments, beta = FiniteLogits(), RunningMoments(), args.init_kl_coef
     logger = RunLogger(args, run_dir, enabled=rank == 0)
     is_testbed = args.dataset == "testbed"
@@ -585,14 +607,10 @@ def main(args: Args) -> dict:
         ro = generate(policy, tokenizer, prompt_ids, args, guard)
         t_gen = time.time() - t0
 
-        # 2. Reward-model scores: noise / faults injected here, then NaN/inf -> 0, whitening, 3-sigma clip
+        # 2. Reward-model scores (plus --rm-noise-std noise), then NaN/inf -> 0, whitening, 3-sigma clip
         t0 = time.time()
         raw_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
         raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
-        if args.inject_nonfinite_scores:
-            hit_B = torch.rand_like(raw_B) < args.inject_nonfinite_scores  # even rows NaN, odd rows +inf
-            raw_B = raw_B.masked_fill(hit_B, float("nan")).masked_fill(hit_B & (torch.arange(len(raw_B)) % 2 == 1),
-                                                                       float("inf"))
         scores_B, n_bad = shape_scores(raw_B, moments, args)
         correct_B = verify(ro.texts, batch_ex) if is_testbed else None
         t_score = time.time() - t0
@@ -600,14 +618,8 @@ def main(args: Args) -> dict:
         # 3. Old log-probs and values, reference log-probs (no grad)
         t0 = time.time()
         mask_BC, ids_BT, attn_BT, P = ro.completion_mask_BC, ro.input_ids_BT, ro.attention_mask_BT, ro.prompt_len
-        with torch.no_grad():
-            parts = [policy_forward(policy, v_head, ids_BT[r].to(device), attn_BT[r].to(device), P, args.temperature)
-                     for r in torch.arange(len(ids_BT)).split(args.minibatch_size)]
-        old_logp_BC = torch.cat([p[0] for p in parts]).cpu() * mask_BC
-        values_BC = torch.cat([p[1] for p in parts]).cpu() * mask_BC
+        old_logp_BC, values_BC = old_logprobs_values(policy, v_head, ro, args, device)
         ref_logp_BC = batched_logprobs(ref_model, ro, args.temperature, args.minibatch_size)
-        if step == args.inject_ratio_step:
-            old_logp_BC = old_logp_BC - 5.0 * mask_BC
         t_logp = time.time() - t0
 
         # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages
@@ -644,23 +656,17 @@ def main(args: Args) -> dict:
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
                 optimizer.step()
                 n_updates += not guarded
-        if step == args.inject_inf_weight_step:
-            with torch.no_grad():
-                next(iter(lm_params.values()) if lm_params else iter(trainable.values())).view(-1)[0] = float("inf")
         t_update = time.time() - t0
 
         # Safety: roll back non-finite weights; check once that the LoRA is not silently frozen
-        stop, finite = "", all(torch.isfinite(p).all() for p in trainable.values())
+        stop, finite = "", all_finite(trainable)
         if args.rollback and not finite:
-            with torch.no_grad():
-                for n, p in trainable.items():
-                    p.copy_(healthy[0][n])
-            optimizer.load_state_dict(healthy[1])
+            roll_back(trainable, optimizer, healthy)
             rollbacks += 1
             if rollbacks >= args.max_rollbacks:
                 stop = f"stopping: {rollbacks} rollbacks (non-finite weights after {rollbacks} updates)"
         elif finite:
-            healthy = ({n: p.detach().clone() for n, p in trainable.items()}, copy.deepcopy(optimizer.state_dict()))
+            healthy = healthy_state(trainable, optimizer)
             if not checked and n_updates:
                 check_not_frozen(lm_params, before)
                 checked = True
@@ -708,9 +714,7 @@ def main(args: Args) -> dict:
 
     # Final evaluation against the SFT samples on the same prompts, and the PPO adapter + value head
     if args.rollback:  # never save or evaluate non-finite weights
-        with torch.no_grad():
-            for n, p in trainable.items():
-                p.copy_(healthy[0][n])
+        roll_back(trainable, None, healthy)
     final, s_B, c_B = run_eval(policy)
     final["eval/win_rate_rm"] = ((s_B > sft_s_B).float() + 0.5 * (s_B == sft_s_B).float()).mean().item()
     delta, spread = (s_B.mean() - sft_s_B.mean()).item(), math.sqrt(s_B.var().item() + sft_s_B.var().item())
