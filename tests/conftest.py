@@ -57,3 +57,24 @@ def copy_alone(tmp_path):
 def alone_env() -> dict:
     """The environment for a trainer run from a copy_alone folder: nothing of this checkout on the import path."""
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def assert_flags_documented(Args) -> None:
+    """--help lists every field of Args, and every field has a docstring in the class that declares it (the
+    trainer's own Args or a common/args.py base): tyro prints it; a field without one shows only its type."""
+    import inspect
+    import io
+    from contextlib import redirect_stdout
+    from dataclasses import fields
+
+    import tyro
+
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        tyro.cli(Args, args=["--help"])
+    for f in fields(Args):
+        assert "--" + f.name.replace("_", "-") in out.getvalue(), f.name
+        owner = next(c for c in Args.__mro__ if f.name in getattr(c, "__annotations__", {}))
+        src = inspect.getsource(owner).splitlines()
+        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
+        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
