@@ -60,12 +60,12 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
         --dtype bfloat16 --max-new-tokens 512 --num-prompts 32 --group-size 4 --micro-batch-size 8 \\
         --learning-rate 1e-6 --total-steps 200 --eval-every 20
     torchrun --nproc-per-node 8 direct_opd.py --teacher-post runs/weak_grpo/checkpoint --device cuda ...
+
+Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, V vocabulary, K top-K support.
 """
 
 import copy
 import os
-import random
-import resource
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -74,82 +74,35 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
-from tqdm import tqdm
 
-from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
+from common.args import TrainArgs
+from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed
 from common.evaluate import evaluate
-from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import check_same_vocab, load_model, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
+from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+                        rollout_perf_metrics, start_run, step_bar, timed)
 from common.testbed import ensure_testbed_teacher_pair
 from common.verifiers import score
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, model, data, rollout engine, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (each rank adds its rank)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
-    save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the student, its reference and both teachers (the official runs use float32 throughout)"""
-
-    # Model and data
     model_name: str = "testbed-strong"
     """the student: 'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+
+    # Model and data
     teacher_pre: str = "testbed-weak"
     """the weak teacher before its RL run (pi_T_pre); same forms as --model-name"""
     teacher_post: str = ""
     """the weak teacher after its RL run (pi_T_post); '' with --teacher-pre testbed-weak: the demo pair's post model
     (testbed-weak after rejection-sampling fine-tuning on level 3, built once and cached)"""
-    dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
-    dataset_config: str | None = None
-    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split used for training (Hugging Face datasets)"""
-    eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
-    eval_split: str = "test"
-    """split used for held-out evaluation"""
-    levels: tuple[int, ...] = (3,)
-    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
-    question_field: str | None = None
-    """record field holding the question (auto-detected when unset)"""
-    answer_field: str | None = None
-    """record field holding the final answer (used only for logging and evaluation here)"""
-    solution_field: str | None = None
-    """record field holding a reference solution (optional)"""
-    num_train_problems: int = 0
-    """keep only this many training problems (0: all; testbed: 500 per level)"""
-    max_prompt_tokens: int = 0
-    """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
-    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
-    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
-    in place after every update; needs the vllm extra, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 4
@@ -208,22 +161,11 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d (clamped to +-10)"""
 
-    # Evaluation
-    eval_every: int = 50
-    """evaluate every N steps (0: only before and after training)"""
-    num_eval_problems: int = 200
-    """held-out problems per evaluation"""
-    eval_samples: int = 4
-    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
-    eval_pass_k: int = 4
-    """k of the logged eval/pass_at_k"""
-
     # Filled in at runtime
     batch_size: int = 0
     """rollouts per step per rank = num_prompts * group_size"""
     minibatch_size: int = 0
     """rollouts per optimizer step = batch_size // num_minibatches"""
-
 
 def default_teacher_post(teacher_pre: str, world: int) -> str:
     """The demo pair's post model (cached; built on first use), or a one-line error when there is none."""
@@ -344,7 +286,7 @@ def aggregate(token_loss_BC, mask_BC, num_tokens: float):
     return (token_loss_BC * mask_BC).sum() / max(num_tokens, 1.0)
 
 
-def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict, kl_coef: float):
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tokens: float, kl_coef: float):
     """Direct-OPD loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
     ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
@@ -360,30 +302,25 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
                                                  args.clip_low, args.clip_high, args.clip_ratio_c)
     pg_BC = pg_BCK.sum(-1)
     kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
-    loss = aggregate(pg_BC + kl_coef * kl_BC, mask_BC, norm["tokens"])
+    loss = aggregate(pg_BC + kl_coef * kl_BC, mask_BC, num_tokens)
     with torch.no_grad():
-        log_ratio = logp_BC - batch["old_logp_BC"][rows].to(device)
+        log_ratio_BC = logp_BC - batch["old_logp_BC"][rows].to(device)
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
-            "loss/policy": aggregate(pg_BC, mask_BC, norm["tokens"]).item(),
-            "loss/kl": aggregate(kl_BC, mask_BC, norm["tokens"]).item(),
+            "loss/policy": aggregate(pg_BC, mask_BC, num_tokens).item(),
+            "loss/kl": aggregate(kl_BC, mask_BC, num_tokens).item(),
             "policy/clip_frac": (clipped_BCK.mean(-1) * mask_BC).sum().item(),
-            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
         }
     return loss, stats
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
     rank, world, device = init_distributed(args.device)
     # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
     ckpt = open_checkpoint(args.resume, rank, world)
-    args.batch_size = args.num_prompts * args.group_size
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    run_dir = args.resume.rstrip("/") or os.path.join(
-        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
-
     # the student's token ids go to the teachers unchanged: one vocabulary, checked before any model loads
     tokenizer = load_tokenizer(args.model_name)
     vocab_check = {f"student ({args.model_name})": tokenizer, f"teacher_pre ({args.teacher_pre})":
@@ -392,81 +329,64 @@ def main(args: Args) -> dict:
         vocab_check[f"teacher_post ({args.teacher_post})"] = load_tokenizer(args.teacher_post)
     check_same_vocab(vocab_check)
     teacher_post = args.teacher_post or default_teacher_post(args.teacher_pre, world)
-
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                   answer_field=args.answer_field, solution_field=args.solution_field)
-    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
-                                   **fields_)
-    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                  args.num_eval_problems, args.seed, **fields_)
+    run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
+    train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
     pre_model = load_model(args.teacher_pre, args.dtype, device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_problems, args.seed + rank)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
-    kl_coef = args.kl_coef
-
-    start_step, first_eval = 0, None
-    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
-        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
-        start_step, first_eval, kl_coef = state["step"], state.get("first_eval"), state["kl_coef"]
-        engine.sync_weights(model)
+    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
+    kl_coef = state.get("kl_coef", args.kl_coef)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
         return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
                         args.temperature, args.eval_pass_k, args.max_prompt_tokens)
 
+    first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
         for name, teacher in (("pre", pre_model), ("post", post_model)):  # greedy only: where the pair stands
             acc = evaluate(HFEngine(teacher, tokenizer), tokenizer, eval_problems, args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens)["eval/greedy_accuracy"]
             first_eval[f"eval/teacher_{name}_greedy_accuracy"] = acc
-        logger.log(start_step, first_eval)
-    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
-               initial=start_step, total=args.total_steps)
+        logger.log(state["step"], first_eval)
+    bar = step_bar(args, state["step"], rank)
     metrics = {}
     vocab = len(tokenizer)
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # 1. Rollouts: group_size completions for each of num_prompts prompts, from the student
         problems = sampler.next(args.num_prompts)
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        t0 = time.time()
-        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens)
-        t_gen = time.time() - t0
+        with timed(times, "generate"):
+            rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                       max_new_tokens=args.max_new_tokens)
 
         # 2. The verifier: logged only (and the outcome term of direct_plus_grpo)
-        t0 = time.time()
-        group_problems = [p for p in problems for _ in range(args.group_size)]
-        correct_B = torch.tensor(score(rollouts.texts, group_problems))
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            group_problems = [p for p in problems for _ in range(args.group_size)]
+            correct_B = torch.tensor(score(rollouts.texts, group_problems))
 
-        # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference
-        t0 = time.time()
         mask_BC = rollouts.completion_mask_BC.clone()
-        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
-                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, vocab=vocab)
-        old_logp_BC, topk_ids_BCK, old_logp_BCK, topk_mass_BC = batched_support_logprobs(
-            model, batch, args.temperature, args.micro_batch_size, vocab, k=args.top_k)
-        post_logp_BC, _, post_logp_BCK, _ = batched_support_logprobs(
-            post_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
-        if args.reward == "vanilla_opd":  # reward log pi_T_post - log pi_student: the teacher's endpoint, not its shift
-            base_logp_BC, base_logp_BCK = old_logp_BC, old_logp_BCK
-        else:
-            base_logp_BC, _, base_logp_BCK, _ = batched_support_logprobs(
-                pre_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
-        ref_logp_BC, _, _, _ = batched_support_logprobs(  # the same code path as the student's: KL is exactly 0 at init
-            ref_model, batch, args.temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
-        t_logp = time.time() - t0
+        # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference
+        with timed(times, "logprobs"):
+            batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                         prompt_len=rollouts.prompt_len, mask_BC=mask_BC, vocab=vocab)
+            old_logp_BC, topk_ids_BCK, old_logp_BCK, topk_mass_BC = batched_support_logprobs(
+                model, batch, args.temperature, args.micro_batch_size, vocab, k=args.top_k)
+            post_logp_BC, _, post_logp_BCK, _ = batched_support_logprobs(
+                post_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
+            if args.reward == "vanilla_opd":  # log pi_T_post - log pi_student: the teacher's endpoint, not its shift
+                base_logp_BC, base_logp_BCK = old_logp_BC, old_logp_BCK
+            else:
+                base_logp_BC, _, base_logp_BCK, _ = batched_support_logprobs(
+                    pre_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
+            ref_logp_BC, _, _, _ = batched_support_logprobs(  # the student's code path: KL is exactly 0 at init
+                ref_model, batch, args.temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
 
         # ALGO LOGIC: 4. dense advantages A_t(v) = w_t(v) * Delta_T(v | s_t) on the student's top-K support
         adv_BCK, weight_BCK, delta_BCK = dense_advantages(old_logp_BCK, post_logp_BCK, base_logp_BCK)
@@ -479,26 +399,24 @@ def main(args: Args) -> dict:
                      ref_logp_BC=ref_logp_BC, adv_BCK=adv_BCK)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        t0 = time.time()
-        sums, grad_norms, kl_coef_used = {}, [], kl_coef
-        for _ in range(args.num_iterations):
-            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
-            for mb in order.split(args.minibatch_size):
-                # token normaliser of the whole mini-batch, summed over ranks, fixed before accumulation
-                norm = {"tokens": all_reduce_sum(torch.tensor([mask_BC[mb].sum().item()]))[0].item()}
-                optimizer.zero_grad(set_to_none=True)
-                for rows in mb.split(args.micro_batch_size):
-                    loss, stats = micro_batch_loss(model, batch, rows, args, norm, kl_coef)
-                    loss.backward()
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                all_reduce_grads(model)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
-        engine.sync_weights(model)
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            sums, grad_norms, kl_coef_used = {}, [], kl_coef
+            for _ in range(args.num_iterations):
+                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                for mb in order.split(args.minibatch_size):
+                    num_tokens = minibatch_counts(mask_BC[mb])[0]  # tokens in the whole mini-batch, all ranks
+                    optimizer.zero_grad(set_to_none=True)
+                    for rows in mb.split(args.micro_batch_size):
+                        loss, stats = micro_batch_loss(model, batch, rows, args, num_tokens, kl_coef)
+                        loss.backward()
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                    optimizer.step()
+                    lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                    scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+            engine.sync_weights(model)
 
         # ALGO LOGIC: 6. adaptive KL coefficient from the batch mean of A over valid top-K entries (all ranks)
         valid_BCK = mask_BC.unsqueeze(-1).expand_as(adv_BCK)
@@ -506,11 +424,11 @@ def main(args: Args) -> dict:
         weighted_reward_mean = (wr[0] / wr[1].clamp(min=1)).item()
         kl_coef = update_kl_coef(kl_coef, weighted_reward_mean, args.kl_adapt_rate, args.kl_coef_min, args.kl_coef_max)
 
-        # TRY NOT TO MODIFY: metrics (grpo.py's names where they mean the same; new ones in the module docstring)
+        # TRY NOT TO MODIFY: metrics (grpo.py's names where they mean the same; new ones in the module docstring);
+        # loss/* are means over optimizer steps, the other sums are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         n_valid = max(mask_BC.sum().item(), 1.0)
-        gen_tokens = rollouts.lengths_B.sum().item()
         return_B = adv_BCK.sum((1, 2))
         metrics = {
             "reward/mean": return_B.mean().item(), "reward/std": return_B.std(unbiased=False).item(),
@@ -520,17 +438,9 @@ def main(args: Args) -> dict:
             "delta_opd/sampled_logratio": ((post_logp_BC - base_logp_BC) * mask_BC).sum().item() / n_valid,
             "delta_opd/topk_mass": (topk_mass_BC * mask_BC).sum().item() / n_valid,
             "kl/coef": kl_coef_used,
-            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
-            "policy/entropy": sums["policy/entropy"] / n_tok,
+            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
             "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
-            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
-            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         if zero_std_P is not None:
             metrics["adv/frac_zero_std"] = zero_std_P.float().mean().item()
@@ -543,15 +453,10 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
                             {"first_eval": first_eval, "kl_coef": kl_coef})
 
-    final_eval = run_eval()
-    logger.log(args.total_steps, final_eval)
-    logger.close()
     if rank == 0:
-        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
         print(f"teacher pair held-out greedy accuracy: pre {first_eval['eval/teacher_pre_greedy_accuracy']:.3f}, "
               f"post {first_eval['eval/teacher_post_greedy_accuracy']:.3f} ({args.reward} reward, no verifier in the loss)")
-        print(f"held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
-              f"run folder {run_dir}")
+    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir, "teacher_post": teacher_post}
 
 

@@ -44,7 +44,8 @@ def load_train_eval(args) -> tuple[list, list]:
 def make_optimizer(params, args) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and a linear warmup over --warmup-steps optimizer steps, constant afterwards."""
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    warmup = lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1))  # noqa: E731
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
 
 def resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device: str) -> dict:
@@ -78,7 +79,8 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
     mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()), float(len(mask_BC))]))
+    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                          float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
 
 
@@ -87,20 +89,24 @@ def peak_mem_gb(device: str) -> float:
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
 
 
-def rollout_perf_metrics(rollouts, times: dict, train_passes: int, device: str, gen_tokens: float | None = None) -> dict:
-    """Completion length and truncation, time/<phase> for each timed phase, generation and training throughput
-    (train_passes: forward/backward passes over the batch, e.g. the PPO epochs), and peak memory."""
+def rollout_perf_metrics(rollouts, times: dict, train_passes: int, device: str, gen_tokens: float | None = None,
+                         train_rollouts=None) -> dict:
+    """Completion length and truncation of the sampled `rollouts`, time/<phase> for each timed phase, generation
+    throughput (gen_tokens: default, the rollouts' completion tokens) and training throughput (train_passes passes,
+    e.g. PPO epochs, over train_rollouts, by default the rollouts themselves), and peak memory."""
     gen_tokens = rollouts.lengths_B.sum().item() if gen_tokens is None else gen_tokens
+    train_rollouts = rollouts if train_rollouts is None else train_rollouts
     return {"rollout/completion_len": rollouts.lengths_B.float().mean().item(),
             "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
             **{f"time/{k}": v for k, v in times.items()},
             "perf/gen_tokens_per_s": gen_tokens / max(times.get("generate", 0.0), 1e-9),
-            "perf/train_tokens_per_s": train_passes * rollouts.attention_mask_BT.sum().item()
+            "perf/train_tokens_per_s": train_passes * train_rollouts.attention_mask_BT.sum().item()
             / max(times.get("update", 0.0), 1e-9),
             "perf/peak_mem_gb": peak_mem_gb(device)}
 
 
-def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir: str) -> dict:
+def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir: str,
+               what: str = "held-out greedy accuracy") -> dict:
     """The final evaluation, logged at `step`; the logger closed (curve.png); rank 0 prints greedy accuracy
     before -> after. Returns the final evaluation."""
     final_eval = run_eval()
@@ -108,6 +114,6 @@ def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir
     logger.close()
     if rank == 0:
         before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
-        print(f"held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
+        print(f"{what}: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
               f"run folder {run_dir}")
     return final_eval

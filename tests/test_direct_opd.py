@@ -1,14 +1,11 @@
 """direct_opd.py: the top-K teacher-pair reward on hand-made logits, identical teachers do nothing, a real pair
 trains, the vocabulary check, the cached default teacher pair, and a subprocess smoke run."""
 
-import io
 import json
 import math
 import os
 import subprocess
 import sys
-from contextlib import redirect_stdout
-from dataclasses import fields
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ import tyro
 
 import direct_opd
 from common.logger import read_metrics
-from conftest import alone_env
+from conftest import alone_env, assert_flags_documented
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "4", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
@@ -51,16 +48,7 @@ def _weights(run_dir):
 
 
 def test_help_documents_every_flag():
-    out = io.StringIO()
-    with redirect_stdout(out), pytest.raises(SystemExit):
-        tyro.cli(direct_opd.Args, args=["--help"])
-    import inspect
-
-    src = inspect.getsource(direct_opd.Args).splitlines()
-    for f in fields(direct_opd.Args):
-        assert "--" + f.name.replace("_", "-") in out.getvalue(), f.name
-        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
-        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+    assert_flags_documented(direct_opd.Args)
 
 
 def test_topk_weights_and_teacher_logratio_on_hand_made_logits():

@@ -231,11 +231,11 @@ def test_ppo_slm_policy_loss_is_grpos_surrogate():
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "constant"])
 def test_aggregate_agrees(mode):
     _, logp, _, _, _, mask = _inputs()
-    want = grpo.aggregate(logp, mask, mode, 17.0, 3.0, 6)
-    assert torch.equal(oc_grpo.aggregate(logp, mask, mode, 17.0, 3.0, 6), want)
-    assert torch.equal(rloo_sec.aggregate(logp, mask, mode, 17.0, 3.0, 6), want)
+    want = grpo.aggregate(logp, mask, mode, 17.0, 3.0, 4.0, 6)
+    assert torch.equal(oc_grpo.aggregate(logp, mask, mode, 17.0, 3.0, 4.0, 6), want)
+    assert torch.equal(rloo_sec.aggregate(logp, mask, mode, 17.0, 3.0, 4.0, 6), want)
     if mode == "token_mean":  # direct_opd (marked): token_mean only
         assert torch.equal(direct_opd.aggregate(logp, mask, 17.0), want)
     # rloo_sec's extra mode (marked): sum over tokens and sequences / sequences
-    assert rloo_sec.aggregate(logp, mask, "seq_sum", 17.0, 3.0, 6).item() == pytest.approx(
-        (logp * mask).sum().item() / 3.0)
+    assert rloo_sec.aggregate(logp, mask, "seq_sum", 17.0, 3.0, 4.0, 6).item() == pytest.approx(
+        (logp * mask).sum().item() / 4.0)

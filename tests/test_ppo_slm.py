@@ -1,10 +1,6 @@
 """ppo_slm.py: the three stages, the freeze check, the logits guard and each safety layer under injected faults."""
 
-import inspect
-import io
 import os
-from contextlib import redirect_stdout
-from dataclasses import fields
 
 import pytest
 import torch
@@ -12,6 +8,7 @@ import tyro
 from safetensors.torch import load_file
 
 import ppo_slm
+from conftest import assert_flags_documented
 from common.logger import read_metrics
 
 TINY = ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prompts", "16", "--num-prompts", "8",
@@ -66,14 +63,7 @@ def _steps(out) -> dict:
 
 
 def test_help_documents_every_flag():
-    text = io.StringIO()
-    with redirect_stdout(text), pytest.raises(SystemExit):
-        tyro.cli(ppo_slm.Args, args=["--help"])
-    src = inspect.getsource(ppo_slm.Args).splitlines()
-    for f in fields(ppo_slm.Args):
-        assert "--" + f.name.replace("_", "-") in text.getvalue(), f.name
-        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
-        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+    assert_flags_documented(ppo_slm.Args)
 
 
 def test_full_pipeline_runs_and_reports(stages):
