@@ -240,13 +240,13 @@ def group_advantages(rewards_PG: torch.Tensor, eps: float) -> tuple[torch.Tensor
 def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html);
     k3 is clamped to [-10, 10] as veRL's low_var_kl is."""
-    d = logp_BC - ref_logp_BC
+    d_BC = logp_BC - ref_logp_BC
     if estimator == "k1":
-        return d
+        return d_BC
     if estimator == "k2":
-        return 0.5 * d**2
+        return 0.5 * d_BC**2
     if estimator == "k3":  # differs from grpo.py: clamped to [-10, 10] (veRL low_var_kl)
-        return (torch.expm1(-d) + d).clamp(-10, 10)
+        return (torch.expm1(-d_BC) + d_BC).clamp(-10, 10)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -259,11 +259,11 @@ def topk_clipped_surrogate(logp_BCK, old_logp_BCK, adv_BCK, clip_low: float, cli
     # differs from grpo.py (clipped_surrogate): one loss per top-K entry, the log-ratio clamped to [-20, 20], and the
     # dual clip min(l, -A c) where A < 0; the clip indicator is the same
     ratio_BCK = torch.exp((logp_BCK - old_logp_BCK).clamp(-20.0, 20.0))
-    unclipped = -adv_BCK * ratio_BCK
-    clipped = -adv_BCK * ratio_BCK.clamp(1 - clip_low, 1 + clip_high)
-    loss_BCK = torch.maximum(unclipped, clipped)
+    unclipped_BCK = -adv_BCK * ratio_BCK
+    clipped_BCK = -adv_BCK * ratio_BCK.clamp(1 - clip_low, 1 + clip_high)
+    loss_BCK = torch.maximum(unclipped_BCK, clipped_BCK)
     loss_BCK = torch.where(adv_BCK < 0, torch.minimum(loss_BCK, -adv_BCK * clip_c), loss_BCK)
-    return loss_BCK, (clipped > unclipped).float()
+    return loss_BCK, (clipped_BCK > unclipped_BCK).float()
 
 
 def update_kl_coef(kl_coef: float, weighted_reward_mean: float, rate: float, lo: float, hi: float) -> float:
@@ -289,10 +289,10 @@ def aggregate(token_loss_BC, mask_BC, num_tokens: float):
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tokens: float, kl_coef: float):
     """Direct-OPD loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BCV = completion_logp_BCV(model, ids, attn, batch["prompt_len"], args.temperature, batch["vocab"])
-    logp_BC = logp_BCV.gather(-1, ids[:, batch["prompt_len"]:, None]).squeeze(-1)
+    logp_BCV = completion_logp_BCV(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature, batch["vocab"])
+    logp_BC = logp_BCV.gather(-1, ids_BT[:, batch["prompt_len"]:, None]).squeeze(-1)
     logp_BCK = logp_BCV.gather(-1, batch["topk_ids_BCK"][rows].to(device))
     with torch.no_grad():
         entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1)

@@ -145,13 +145,13 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
 
 def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d = logp_BC - ref_logp_BC
+    d_BC = logp_BC - ref_logp_BC
     if estimator == "k1":
-        return d
+        return d_BC
     if estimator == "k2":
-        return 0.5 * d**2
+        return 0.5 * d_BC**2
     if estimator == "k3":
-        return torch.expm1(-d) + d
+        return torch.expm1(-d_BC) + d_BC
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -159,9 +159,9 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: f
     """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
     adv_B1 = adv_B.unsqueeze(1)
-    unclipped = -ratio_BC * adv_B1
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_B1
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
 def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
@@ -183,9 +183,9 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch whose
     normalisers are `counts` (common.run.minibatch_counts: tokens, non-empty sequences, sequences)."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),

@@ -36,6 +36,8 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
     python mada_rl.py --model-name deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dataset my_math.jsonl \\
         --eval-dataset my_math_test.jsonl --device cuda --dtype bfloat16 --max-new-tokens 4096 --lora-r 16 \\
         --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
+
+Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
 
 import inspect
@@ -52,11 +54,11 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, load_problems, render_prompt
+from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
 from common.logger import RunLogger, check_run_args, fail
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import minibatch_counts, rollout_perf_metrics, timed
+from common.run import load_train_eval, minibatch_counts, rollout_perf_metrics, timed
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 
@@ -232,9 +234,9 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: f
     """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
     adv_B1 = adv_B.unsqueeze(1)
-    unclipped = -ratio_BC * adv_B1
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_B1
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
 def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
@@ -254,9 +256,9 @@ def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """Policy-gradient loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
@@ -557,13 +559,10 @@ def main(args: Args) -> dict:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = args.device
-    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                   answer_field=args.answer_field, solution_field=args.solution_field)
 
     if args.eval_debate:  # deployment only, from a finished run folder
         model, tokenizer, generators, critics, saved = load_run_agents(args.eval_debate.rstrip("/"), args, device)
-        eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                      args.num_eval_problems, args.seed, **fields_)
+        eval_problems = load_train_eval(args)[1]
         engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
         res = debate_metrics(debate(model, engine, tokenizer, eval_problems, generators, critics, args.debate_rounds,
                                     args.max_new_tokens, args.max_prompt_tokens), eval_problems, len(generators))
@@ -572,10 +571,7 @@ def main(args: Args) -> dict:
 
     run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tokenizer = load_tokenizer(args.model_name)
-    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
-                                   **fields_)
-    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                  args.num_eval_problems, args.seed, **fields_)
+    train_problems, eval_problems = load_train_eval(args)
     generators, critics = agent_names(args.num_generators, args.num_critics)
     splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
     if min(len(s) for s in splits) < args.num_prompts:

@@ -57,6 +57,8 @@ plus `rm/score_mean`, `rm/score_std` (raw RM scores of the rollouts),
         --rm-steps 2500 --rm-lr 1e-5     # SmolLM2-360M: --lora-target-modules q_proj v_proj o_proj gate_proj up_proj
     python ppo_slm.py --sft-adapter runs/X/sft_adapter --reward-model runs/X/reward_model   # PPO only
     torchrun --nproc-per-node 8 ppo_slm.py --device cuda ...  # data parallel PPO; SFT and RM run on rank 0
+
+Shapes: B rows (one completion per prompt), T tokens per row, C completion tokens, V vocabulary.
 """
 
 import copy

@@ -164,9 +164,9 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: f
     """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
     adv_B1 = adv_B.unsqueeze(1)
-    unclipped = -ratio_BC * adv_B1
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_B1
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
 def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
@@ -189,9 +189,9 @@ def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """RLOO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
