@@ -66,7 +66,6 @@ import json
 import math
 import os
 import random
-import resource
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -82,6 +81,7 @@ from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_
 from common.logger import RunLogger
 from common.models import load_model, load_tokenizer, resolve_model
 from common.rollout import HFEngine, batched_logprobs, left_pad, position_ids
+from common.run import rollout_perf_metrics, timed
 from common.testbed import render_testbed_prompt
 from common.verifiers import score
 
@@ -212,7 +212,7 @@ class Args:
     """stop training after this many rollbacks"""
 
     rm_noise_std: float = 0.0
-    """Gaussian noise added to every raw RM score (a deliberately noisy reward model, benchmarks/ppo_slm_benchmark.py)"""
+    """Gaussian noise added to every raw RM score (a deliberately noisy RM, as in benchmarks/ppo_slm_benchmark.py)"""
 
     # Evaluation
     num_eval_prompts: int = 200
@@ -601,28 +601,26 @@ def main(args: Args) -> dict:
     rollbacks, checked, metrics, step = 0, False, {}, 0
     bar = tqdm(range(1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0)
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # 1. Rollouts: one completion per prompt, through the logits guard
         batch_ex = random.sample(train_ex, args.num_prompts)
         prompt_ids = tokenizer([e.prompt for e in batch_ex], add_special_tokens=False)["input_ids"]
-        t0, fixes0 = time.time(), guard.fixed
-        ro = generate(policy, tokenizer, prompt_ids, args, guard)
-        t_gen = time.time() - t0
+        fixes0 = guard.fixed
+        with timed(times, "generate"):
+            ro = generate(policy, tokenizer, prompt_ids, args, guard)
 
         # 2. Reward-model scores (plus --rm-noise-std noise), then NaN/inf -> 0, whitening, 3-sigma clip
-        t0 = time.time()
-        raw_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
-        raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
-        scores_B, n_bad = shape_scores(raw_B, moments, args)
-        correct_B = verify(ro.texts, batch_ex) if is_testbed else None
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            raw_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
+            raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
+            scores_B, n_bad = shape_scores(raw_B, moments, args)
+            correct_B = verify(ro.texts, batch_ex) if is_testbed else None
 
         # 3. Old log-probs and values, reference log-probs (no grad)
-        t0 = time.time()
-        mask_BC, ids_BT, attn_BT, P = ro.completion_mask_BC, ro.input_ids_BT, ro.attention_mask_BT, ro.prompt_len
-        old_logp_BC, values_BC = old_logprobs_values(policy, v_head, ro, args, device)
-        ref_logp_BC = batched_logprobs(ref_model, ro, args.temperature, args.minibatch_size)
-        t_logp = time.time() - t0
+        mask_BC, ids_BT, attn_BT = ro.completion_mask_BC, ro.input_ids_BT, ro.attention_mask_BT
+        with timed(times, "logprobs"):
+            old_logp_BC, values_BC = old_logprobs_values(policy, v_head, ro, args, device)
+            ref_logp_BC = batched_logprobs(ref_model, ro, args.temperature, args.minibatch_size)
 
         # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages
         kl_BC = (old_logp_BC - ref_logp_BC) * mask_BC
@@ -636,29 +634,29 @@ def main(args: Args) -> dict:
                      old_logp_BC=old_logp_BC)
 
         # 5. Update: ppo_epochs x num_minibatches, with the ratio guard and the rollback after the step
-        t0 = time.time()
-        before = {n: p.detach().clone() for n, p in lm_params.items()}
-        sums, grad_norms, skips, max_ratio, n_updates = {}, [], 0, 0.0, 0
-        for _ in range(args.ppo_epochs):
-            for rows in torch.randperm(args.num_prompts).split(args.minibatch_size):
-                n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))
-                logp_BC, new_values_BC, entropy_BC = policy_forward(
-                    policy, v_head, ids_BT[rows].to(device), attn_BT[rows].to(device), P, args.temperature)
-                loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
-                stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
-                mean_ratio = (all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()
-                max_ratio = max(max_ratio, stats.pop("max_ratio"))
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
-                skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
-                optimizer.zero_grad(set_to_none=True)
-                (loss * 0.0 if guarded else loss).backward()
-                all_reduce_grads(actor_critic)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
-                optimizer.step()
-                n_updates += not guarded
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            before = {n: p.detach().clone() for n, p in lm_params.items()}
+            sums, grad_norms, skips, max_ratio, n_updates = {}, [], 0, 0.0, 0
+            for _ in range(args.ppo_epochs):
+                for rows in torch.randperm(args.num_prompts).split(args.minibatch_size):
+                    n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))
+                    logp_BC, new_values_BC, entropy_BC = policy_forward(
+                        policy, v_head, ids_BT[rows].to(device), attn_BT[rows].to(device), ro.prompt_len,
+                        args.temperature)
+                    loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
+                    stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
+                    mean_ratio = (all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()
+                    max_ratio = max(max_ratio, stats.pop("max_ratio"))
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
+                    skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
+                    optimizer.zero_grad(set_to_none=True)
+                    (loss * 0.0 if guarded else loss).backward()
+                    all_reduce_grads(actor_critic)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
+                    optimizer.step()
+                    n_updates += not guarded
 
         # Safety: roll back non-finite weights; check once that the LoRA is not silently frozen
         stop, finite = "", all_finite(trainable)
@@ -694,15 +692,9 @@ def main(args: Args) -> dict:
             "policy/approx_kl": sums["policy/approx_kl"] / n_tok, "policy/entropy": sums["policy/entropy"] / n_tok,
             "policy/kl_ref": kl_ref, "kl/beta": beta,
             "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": args.learning_rate,
-            "rollout/completion_len": ro.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": ro.truncated_B.float().mean().item(),
             "safety/nonfinite_scores": n_bad, "safety/logit_fixes": guard.fixed - fixes0,
             "safety/max_ratio": max_ratio, "safety/ratio_guard_skips": skips, "safety/rollbacks": rollbacks,
-            "perf/gen_tokens_per_s": ro.lengths_B.sum().item() / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.ppo_epochs * attn_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(ro, times, args.ppo_epochs, device),
         }
         if correct_B is not None:
             metrics["train/accuracy"] = correct_B.mean().item()
