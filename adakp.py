@@ -47,93 +47,44 @@ rows with hints), time/proxy. train/accuracy and reward/* are those of the hinte
     python adakp.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset knowrl_train.jsonl --eval-dataset test.jsonl \\
         --solution-field solution --device cuda --dtype bfloat16 --max-new-tokens 2048 --probe-len 96 \\
         --num-prompts 32 --group-size 8 --micro-batch-size 8 --learning-rate 1e-6 --total-steps 200
+
+Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, V vocabulary, N probe contexts
+scored in one forward, K the entropy proxy's top-k.
 """
 
 import copy
 import math
 import os
 import random
-import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
-from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, refuse_fsdp
+from common.args import TrainArgs
+from common.data import PromptSampler, encode_prompts, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, refuse_fsdp
 from common.evaluate import evaluate
-from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
                             sampler_mismatch, split_completions, tis_weights)
+from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+                        rollout_perf_metrics, start_run, step_bar, timed)
 from common.verifiers import format_reward, score
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, model, data, rollout engine, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (each rank adds its rank)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
-    save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the policy weights"""
-    fsdp: bool = False
-    """FSDP2 sharding (docs/fsdp.md); not supported: per-rank hint and probe passes"""
-
-    # Model and data
-    model_name: str = "testbed-weak"
-    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
-    dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
-    dataset_config: str | None = None
-    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split used for training (Hugging Face datasets)"""
-    eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
-    eval_split: str = "test"
-    """split used for held-out evaluation"""
     levels: tuple[int, ...] = (4,)
     """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
-    question_field: str | None = None
-    """record field holding the question (auto-detected when unset)"""
-    answer_field: str | None = None
-    """record field holding the final answer (auto-detected when unset)"""
-    solution_field: str | None = None
-    """record field holding a reference solution (optional)"""
-    num_train_problems: int = 0
-    """keep only this many training problems (0: all; testbed: 500 per level)"""
-    max_prompt_tokens: int = 0
-    """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
-    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
-    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
-    in place after every update; needs the vllm extra, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     tis: Literal["none", "token", "sequence"] = "none"
     """truncated importance sampling for the sampler/trainer mismatch: weight the policy loss by
     min(pi_trainer / pi_sampler, tis_cap) per token or per sequence (needs sampler log-probs: vllm)"""
@@ -216,22 +167,11 @@ class Args:
     is_clip_min: float = 0.01
     """c_min, the lower clamp of the --correction weight (its upper clamp is 1)"""
 
-    # Evaluation
-    eval_every: int = 50
-    """evaluate every N steps (0: only before and after training)"""
-    num_eval_problems: int = 200
-    """held-out problems per evaluation"""
-    eval_samples: int = 4
-    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
-    eval_pass_k: int = 4
-    """k of the logged eval/pass_at_k"""
-
     # Filled in at runtime
     batch_size: int = 0
     """rollouts per step per rank = num_prompts * group_size"""
     minibatch_size: int = 0
     """rollouts per optimizer step = batch_size // num_minibatches"""
-
 
 # ALGO LOGIC: advantages, KL and the clipped objective
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,13 +196,13 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
 
 def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d = logp_BC - ref_logp_BC
+    d_BC = logp_BC - ref_logp_BC
     if estimator == "k1":
-        return d
+        return d_BC
     if estimator == "k2":
-        return 0.5 * d**2
+        return 0.5 * d_BC**2
     if estimator == "k3":
-        return torch.expm1(-d) + d
+        return torch.expm1(-d_BC) + d_BC
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -271,30 +211,32 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_BC, clip_low: float, clip_high: 
     adv_BC is the per-token advantage w_it * A_i (w = 1 without --correction)."""
     # differs from grpo.py: a per-token advantage adv_BC instead of adv_B; equal when adv_BC = adv_B[:, None]
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
-    unclipped = -ratio_BC * adv_BC
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_BC
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_BC
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_BC
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
-def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
-    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
-    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
+              max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch (its tokens in the loss,
+    its sequences with at least one such token, all its sequences), so that summing micro-batch gradients gives the
+    mini-batch gradient whatever the split."""
     summed_B = (token_loss_BC * mask_BC).sum(1)
     if mode == "token_mean":
         return summed_B.sum() / max(num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
-        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_nonempty, 1.0)
     if mode == "constant":
         return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
@@ -312,14 +254,14 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
     if args.beta > 0:
         kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
         token_loss_BC = pg_BC + args.beta * kl_BC
-    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(token_loss_BC)
     with torch.no_grad():
-        log_ratio = logp_BC - old_logp_BC
+        log_ratio_BC = logp_BC - old_logp_BC
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
-            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
             **sampler_stats,
         }
@@ -439,8 +381,6 @@ def main(args: Args) -> dict:
                 "probes differ in number between ranks, while under FSDP every forward is a collective")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
-    args.batch_size = args.num_prompts * args.group_size
-    args.minibatch_size = args.batch_size // args.num_minibatches
     for name in ("budget", "reselect_every", "entropy_top_k"):
         if getattr(args, name) < 0:
             raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be 0 or more")
@@ -452,23 +392,13 @@ def main(args: Args) -> dict:
     if args.correction != "none" and args.tis != "none":
         raise SystemExit("error: --tis weighs the sampler's own context; with --correction the rows are trained on "
                          "another prompt, so use one of them")
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    run_dir = args.resume.rstrip("/") or os.path.join(
-        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir = start_run(args, rank)  # seeds, batch sizes, the run folder
 
     tokenizer = load_tokenizer(args.model_name)
-    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                   answer_field=args.answer_field, solution_field=args.solution_field)
-    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
-                                   **fields_)
-    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                  args.num_eval_problems, args.seed, **fields_)
+    train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
     if args.kp_mode != "none" and not any(p.hints for p in train_problems):
@@ -518,54 +448,47 @@ def main(args: Args) -> dict:
             print(f"static KP selection: mean |S| {np.mean([len(S) for S in kp['S']]):.2f} "
                   f"({proxy['passes']} forwards over {proxy['rows']} contexts)")
 
-    start_step, first_eval = 0, None
-    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
-        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
-        start_step, first_eval = state["step"], state.get("first_eval")
-        kp, probe_cache = state.get("kp", kp), state.get("probe_cache", probe_cache)
-        engine.sync_weights(model)
+    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
+    kp, probe_cache = state.get("kp", kp), state.get("probe_cache", probe_cache)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
         return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
                         args.temperature, args.eval_pass_k, args.max_prompt_tokens)
 
+    first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
-        logger.log(start_step, first_eval)
-    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
-               initial=start_step, total=args.total_steps)
+        logger.log(state["step"], first_eval)
+    bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # ALGO LOGIC: 0. (re)select S for sampled problems whose selection is missing or older than R steps
         idx = sampler.next(args.num_prompts)
         problems = [train_problems[i] for i in idx]
-        t0 = time.time()
-        proxy.update(passes=0, rows=0, eps=0.0)
-        stale = [i for i in dict.fromkeys(idx) if args.kp_mode == "adakp"
-                 and (kp["chosen_at"][i] is None or step - kp["chosen_at"][i] >= reselect_every)]
-        chosen_scores, bounds = select(stale, step) if stale else ([], [])
-        t_proxy = time.time() - t0
+        with timed(times, "proxy"):
+            proxy.update(passes=0, rows=0, eps=0.0)
+            stale = [i for i in dict.fromkeys(idx) if args.kp_mode == "adakp"
+                     and (kp["chosen_at"][i] is None or step - kp["chosen_at"][i] >= reselect_every)]
+            chosen_scores, bounds = select(stale, step) if stale else ([], [])
 
         # 1. Rollouts: G completions for each of num_prompts hinted prompts x~ = x (+) S
         shown = [list(kp["S"][i]) for i in idx]
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S])
                                                 for p, S in zip(problems, shown)], args.max_prompt_tokens)
-        t0 = time.time()
-        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
-        t_gen = time.time() - t0
+        with timed(times, "generate"):
+            rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                       max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the verifier
-        t0 = time.time()
-        group_problems = [p for p in problems for _ in range(args.group_size)]
-        correct_B = torch.tensor(score(rollouts.texts, group_problems))
-        rewards_B = correct_B.clone()
-        if args.format_reward_weight:
-            rewards_B += args.format_reward_weight * torch.tensor(
-                [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            group_problems = [p for p in problems for _ in range(args.group_size)]
+            correct_B = torch.tensor(score(rollouts.texts, group_problems))
+            rewards_B = correct_B.clone()
+            if args.format_reward_weight:
+                rewards_B += args.format_reward_weight * torch.tensor(
+                    [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
 
         # ALGO LOGIC: 2b. fade (pass rate >= p_hi: drop the lowest-scoring KP, the budget shrinks to what is left)
         # and grow (all wrong: budget + 1, re-selected when next sampled); --probe rollout caches a correct rollout
@@ -607,71 +530,56 @@ def main(args: Args) -> dict:
         # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
         # compared with, so that comparison costs no extra pass.
         # --correction: the weight w = clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on rows shown KPs (1 elsewhere)
-        t0 = time.time()
-        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
-        weigh = args.correction != "none"
-        old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature, args.micro_batch_size)
-                       if needs_old or weigh else None)
-        w_BC = torch.ones_like(mask_BC)
-        hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
-        if weigh and hinted_B.any():
-            hint_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
-            w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
-                                                                         args.is_clip_min), w_BC)
-        batch = dict(input_ids_BT=train_rollouts.input_ids_BT, attention_mask_BT=train_rollouts.attention_mask_BT,
-                     prompt_len=train_rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_B.unsqueeze(1) * w_BC,
-                     sampler_logp_BC=rollouts.sampler_logp_BC if not weigh else None,
-                     old_logp_BC=old_logp_BC if needs_old else None,
-                     ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature, args.micro_batch_size)
-                     if ref_model is not None else None)
-        t_logp = time.time() - t0
+        with timed(times, "logprobs"):
+            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            weigh = args.correction != "none"
+            old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature, args.micro_batch_size)
+                           if needs_old or weigh else None)
+            w_BC = torch.ones_like(mask_BC)
+            hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
+            if weigh and hinted_B.any():
+                hint_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
+                                                                             args.is_clip_min), w_BC)
+            batch = dict(input_ids_BT=train_rollouts.input_ids_BT, attention_mask_BT=train_rollouts.attention_mask_BT,
+                         prompt_len=train_rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_B.unsqueeze(1) * w_BC,
+                         sampler_logp_BC=rollouts.sampler_logp_BC if not weigh else None,
+                         old_logp_BC=old_logp_BC if needs_old else None,
+                         ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature, args.micro_batch_size)
+                         if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        t0 = time.time()
-        sums, grad_norms = {}, []
-        for _ in range(args.num_iterations):
-            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
-            for mb in order.split(args.minibatch_size):
-                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
-                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
-                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
-                norm = {"tokens": norm_t[0].item(),
-                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
-                optimizer.zero_grad(set_to_none=True)
-                for rows in mb.split(args.micro_batch_size):
-                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
-                    loss.backward()
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                all_reduce_grads(model)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
-        engine.sync_weights(model)
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            sums, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                for mb in order.split(args.minibatch_size):
+                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
+                    optimizer.zero_grad(set_to_none=True)
+                    for rows in mb.split(args.micro_batch_size):
+                        loss, stats = micro_batch_loss(model, batch, rows, args, counts)
+                        loss.backward()
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                    optimizer.step()
+                    lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                    scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+            engine.sync_weights(model)
 
-        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        # TRY NOT TO MODIFY: metrics (names documented in README.md); loss/* are means over optimizer steps, the
+        # other sums (the vllm sampler's rollout/* included) are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
-        gen_tokens = rollouts.lengths_B.sum().item()
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
-            "policy/entropy": sums["policy/entropy"] / n_tok,
+            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
             "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
-            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
-            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.num_iterations * train_rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(rollouts, times, args.num_iterations, device, train_rollouts=train_rollouts),
         }
-        metrics.update({k: v / n_tok for k, v in sums.items() if k.startswith("rollout/")})  # vllm sampler only
         # knowledge-point statistics (names in the module docstring)
         helpful = [p.hint_helpful[k] for p, S in zip(problems, shown) for k in S if p.hint_helpful]
         w_tok = w_BC[hinted_B][mask_BC[hinted_B] > 0]
@@ -686,7 +594,6 @@ def main(args: Args) -> dict:
             "kp/trunc_bound_max": max(bounds, default=0.0),
             "kp/faded": float(faded), "kp/grown": float(grown),
             "kp/zero_correct_frac": (pass_P == 0).float().mean().item(),
-            "time/proxy": t_proxy,
         })
         if weigh:
             metrics.update({"is/weight_mean": w_tok.mean().item() if len(w_tok) else 1.0,
@@ -702,13 +609,8 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
                             {"first_eval": first_eval, "kp": kp, "probe_cache": probe_cache})
 
-    final_eval = run_eval()
-    logger.log(args.total_steps, final_eval)
-    logger.close()
-    if rank == 0:
-        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
-        print(f"held-out no-hint greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
-              f"run folder {run_dir}")
+    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir,
+                            what="held-out no-hint greedy accuracy")
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
 
 

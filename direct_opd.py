@@ -26,9 +26,9 @@ of the official `token_reward_direct_plus_grpo` estimator, off by default there 
 
 Four models: the student (trained), a frozen copy of it (pi_ref), and the frozen teacher pair. All
 three must share one vocabulary: the student's token ids go to the teachers unchanged; this is
-checked before anything is loaded. By default the weak pair is built here: `--teacher-pre`
-(testbed-weak) before and after `--teacher-grpo-steps` of `grpo.py` on the same data, cached under
-the testbed cache (TINYPOST_CACHE) keyed by those settings, so only the first run pays for it.
+checked before anything is loaded. The demo's weak pair is testbed-weak before and after a short
+rejection-sampling fine-tuning on level 3 (common.testbed.ensure_testbed_teacher_pair: built once,
+about a minute, and cached); with any other --teacher-pre, --teacher-post is required.
 
 Left out, on purpose: the official recipe's several sequential shifts (run the script again with the
 next pair), teacher-side top-K strategies other than the student's own support (`only_stu`), and
@@ -48,7 +48,7 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
     kl/coef                            the KL coefficient beta used at this step
     eval/teacher_{pre,post}_greedy_accuracy   held-out greedy accuracy of each teacher (step 0)
 
-    python direct_opd.py                    # CPU demo: builds the weak pair once (~5 min), then 200 steps (~3.5 min)
+    python direct_opd.py                    # CPU demo: builds the weak pair once (~2 min), then 200 steps (~3.5 min)
     python direct_opd.py --reward vanilla_opd
     python direct_opd.py --teacher-post testbed-weak    # control: identical teachers, Delta = 0, no change
     # real models on a GPU: the weak pair is your own GRPO run, then its shift goes to a larger student
@@ -60,15 +60,12 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
         --dtype bfloat16 --max-new-tokens 512 --num-prompts 32 --group-size 4 --micro-batch-size 8 \\
         --learning-rate 1e-6 --total-steps 200 --eval-every 20
     torchrun --nproc-per-node 8 direct_opd.py --teacher-post runs/weak_grpo/checkpoint --device cuda ...
+
+Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, V vocabulary, K top-K support.
 """
 
 import copy
-import hashlib
-import json
 import os
-import random
-import resource
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -77,89 +74,35 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
-from tqdm import tqdm
 
-from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
+from common.args import TrainArgs
+from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate
-from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
-from common.models import check_same_vocab, load_model, load_tokenizer, resolve_model
+from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
+from common.models import check_same_vocab, load_model, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
-from common.testbed import cache_root
+from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+                        rollout_perf_metrics, start_run, step_bar, timed)
+from common.testbed import ensure_testbed_teacher_pair
 from common.verifiers import score
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, model, data, rollout engine, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (each rank adds its rank)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
-    save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the student, its reference and both teachers (the official runs use float32 throughout)"""
-    fsdp: bool = False
-    """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
-    root; the reference and both teachers too); without it every rank holds the whole model (docs/fsdp.md)"""
-    fsdp_mixed_precision: bool = False
-    """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
-
-    # Model and data
     model_name: str = "testbed-strong"
     """the student: 'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+
+    # Model and data
     teacher_pre: str = "testbed-weak"
     """the weak teacher before its RL run (pi_T_pre); same forms as --model-name"""
     teacher_post: str = ""
-    """the weak teacher after its RL run (pi_T_post); '' builds it: --teacher-pre after --teacher-grpo-steps of grpo.py
-    on this run's data (cached)"""
-    teacher_grpo_steps: int = 300
-    """GRPO steps (grpo.py defaults otherwise, seed 1) when --teacher-post is built here"""
-    dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
-    dataset_config: str | None = None
-    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split used for training (Hugging Face datasets)"""
-    eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
-    eval_split: str = "test"
-    """split used for held-out evaluation"""
-    levels: tuple[int, ...] = (3,)
-    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
-    question_field: str | None = None
-    """record field holding the question (auto-detected when unset)"""
-    answer_field: str | None = None
-    """record field holding the final answer (used only for logging and evaluation here)"""
-    solution_field: str | None = None
-    """record field holding a reference solution (optional)"""
-    num_train_problems: int = 0
-    """keep only this many training problems (0: all; testbed: 500 per level)"""
-    max_prompt_tokens: int = 0
-    """truncate prompts to their last N tokens (0: never)"""
+    """the weak teacher after its RL run (pi_T_post); '' with --teacher-pre testbed-weak: the demo pair's post model
+    (testbed-weak after rejection-sampling fine-tuning on level 3, built once and cached)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
-    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
-    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
-    in place after every update; needs the vllm extra, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 4
@@ -218,64 +161,22 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d (clamped to +-10)"""
 
-    # Evaluation
-    eval_every: int = 50
-    """evaluate every N steps (0: only before and after training)"""
-    num_eval_problems: int = 200
-    """held-out problems per evaluation"""
-    eval_samples: int = 4
-    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
-    eval_pass_k: int = 4
-    """k of the logged eval/pass_at_k"""
-
     # Filled in at runtime
     batch_size: int = 0
     """rollouts per step per rank = num_prompts * group_size"""
     minibatch_size: int = 0
     """rollouts per optimizer step = batch_size // num_minibatches"""
 
-
-# The default weak pair: the teacher before and after a short grpo.py run, cached by its settings
-def teacher_post_settings(args: Args) -> dict:
-    """What the built teacher depends on (not the device: a teacher built on CPU serves a GPU run too)."""
-    return dict(pre=resolve_model(args.teacher_pre), steps=args.teacher_grpo_steps, dataset=args.dataset,
-                dataset_config=args.dataset_config, levels=list(args.levels), max_new_tokens=args.max_new_tokens,
-                dtype=args.dtype, seed=1)
-
-
-def teacher_post_dir(args: Args) -> str:
-    key = hashlib.sha256(json.dumps(teacher_post_settings(args), sort_keys=True).encode()).hexdigest()[:12]
-    return os.path.join(cache_root(), f"direct_opd-teacher-post-{key}")
-
-
-def build_teacher_post(args: Args, world: int) -> str:
-    """The cached post-RL teacher, training it with grpo.py first if it is missing."""
-    path = teacher_post_dir(args)
-    if os.path.exists(os.path.join(path, "TEACHER_DONE.json")):
-        return path
-    if world > 1:
-        raise SystemExit(f"error: the default post-RL teacher is not built yet; build it once without torchrun "
-                         f"(python direct_opd.py --total-steps 0), or pass --teacher-post <folder>")
-    import grpo
-
-    print(f"[direct_opd] building the post-RL teacher: {args.teacher_pre} + {args.teacher_grpo_steps} grpo.py steps "
-          f"-> {path} (once; cached afterwards)")
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    s = teacher_post_settings(args)
-    out = grpo.main(grpo.Args(model_name=args.teacher_pre, total_steps=s["steps"], dataset=args.dataset,
-                              dataset_config=args.dataset_config, levels=args.levels, max_new_tokens=args.max_new_tokens,
-                              device=args.device, dtype=args.dtype, seed=s["seed"], eval_every=0, eval_samples=0,
-                              num_eval_problems=args.num_eval_problems, output_dir=tmp, run_name="grpo"))
-    shutil.copytree(os.path.join(out["run_dir"], "checkpoint"), os.path.join(tmp, "model"),
-                    ignore=shutil.ignore_patterns("*_state.pt"))  # the weights, without the trainer's state
-    shutil.copy(os.path.join(out["run_dir"], "metrics.jsonl"), os.path.join(tmp, "model", "grpo_metrics.jsonl"))
-    with open(os.path.join(tmp, "model", "TEACHER_DONE.json"), "w") as f:
-        json.dump(dict(settings=s, before=out["before"], after=out["after"]), f, indent=2)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(os.path.join(tmp, "model"), path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return path
+def default_teacher_post(teacher_pre: str, world: int) -> str:
+    """The demo pair's post model (cached; built on first use), or a one-line error when there is none."""
+    if teacher_pre != "testbed-weak":
+        raise SystemExit(f"error: --teacher-post is required with --teacher-pre {teacher_pre} (the built-in pair is "
+                         "for testbed-weak only): pass the folder of the teacher after its RL run")
+    pair = ensure_testbed_teacher_pair(build=world == 1)
+    if pair is None:
+        raise SystemExit("error: the default teacher pair is not built yet; build it once without torchrun "
+                         "(python direct_opd.py --total-steps 0), or pass --teacher-post <folder>")
+    return pair[1]
 
 
 # ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient
@@ -339,13 +240,13 @@ def group_advantages(rewards_PG: torch.Tensor, eps: float) -> tuple[torch.Tensor
 def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html);
     k3 is clamped to [-10, 10] as veRL's low_var_kl is."""
-    d = logp_BC - ref_logp_BC
+    d_BC = logp_BC - ref_logp_BC
     if estimator == "k1":
-        return d
+        return d_BC
     if estimator == "k2":
-        return 0.5 * d**2
+        return 0.5 * d_BC**2
     if estimator == "k3":  # differs from grpo.py: clamped to [-10, 10] (veRL low_var_kl)
-        return (torch.expm1(-d) + d).clamp(-10, 10)
+        return (torch.expm1(-d_BC) + d_BC).clamp(-10, 10)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -358,11 +259,11 @@ def topk_clipped_surrogate(logp_BCK, old_logp_BCK, adv_BCK, clip_low: float, cli
     # differs from grpo.py (clipped_surrogate): one loss per top-K entry, the log-ratio clamped to [-20, 20], and the
     # dual clip min(l, -A c) where A < 0; the clip indicator is the same
     ratio_BCK = torch.exp((logp_BCK - old_logp_BCK).clamp(-20.0, 20.0))
-    unclipped = -adv_BCK * ratio_BCK
-    clipped = -adv_BCK * ratio_BCK.clamp(1 - clip_low, 1 + clip_high)
-    loss_BCK = torch.maximum(unclipped, clipped)
+    unclipped_BCK = -adv_BCK * ratio_BCK
+    clipped_BCK = -adv_BCK * ratio_BCK.clamp(1 - clip_low, 1 + clip_high)
+    loss_BCK = torch.maximum(unclipped_BCK, clipped_BCK)
     loss_BCK = torch.where(adv_BCK < 0, torch.minimum(loss_BCK, -adv_BCK * clip_c), loss_BCK)
-    return loss_BCK, (clipped > unclipped).float()
+    return loss_BCK, (clipped_BCK > unclipped_BCK).float()
 
 
 def update_kl_coef(kl_coef: float, weighted_reward_mean: float, rate: float, lo: float, hi: float) -> float:
@@ -385,13 +286,13 @@ def aggregate(token_loss_BC, mask_BC, num_tokens: float):
     return (token_loss_BC * mask_BC).sum() / max(num_tokens, 1.0)
 
 
-def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict, kl_coef: float):
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tokens: float, kl_coef: float):
     """Direct-OPD loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BCV = completion_logp_BCV(model, ids, attn, batch["prompt_len"], args.temperature, batch["vocab"])
-    logp_BC = logp_BCV.gather(-1, ids[:, batch["prompt_len"]:, None]).squeeze(-1)
+    logp_BCV = completion_logp_BCV(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature, batch["vocab"])
+    logp_BC = logp_BCV.gather(-1, ids_BT[:, batch["prompt_len"]:, None]).squeeze(-1)
     logp_BCK = logp_BCV.gather(-1, batch["topk_ids_BCK"][rows].to(device))
     with torch.no_grad():
         entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1)
@@ -401,30 +302,25 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
                                                  args.clip_low, args.clip_high, args.clip_ratio_c)
     pg_BC = pg_BCK.sum(-1)
     kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
-    loss = aggregate(pg_BC + kl_coef * kl_BC, mask_BC, norm["tokens"])
+    loss = aggregate(pg_BC + kl_coef * kl_BC, mask_BC, num_tokens)
     with torch.no_grad():
-        log_ratio = logp_BC - batch["old_logp_BC"][rows].to(device)
+        log_ratio_BC = logp_BC - batch["old_logp_BC"][rows].to(device)
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
-            "loss/policy": aggregate(pg_BC, mask_BC, norm["tokens"]).item(),
-            "loss/kl": aggregate(kl_BC, mask_BC, norm["tokens"]).item(),
+            "loss/policy": aggregate(pg_BC, mask_BC, num_tokens).item(),
+            "loss/kl": aggregate(kl_BC, mask_BC, num_tokens).item(),
             "policy/clip_frac": (clipped_BCK.mean(-1) * mask_BC).sum().item(),
-            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
         }
     return loss, stats
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
     rank, world, device = init_distributed(args.device)
     # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
     ckpt = open_checkpoint(args.resume, rank, world)
-    args.batch_size = args.num_prompts * args.group_size
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    run_dir = args.resume.rstrip("/") or os.path.join(
-        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
-
     # the student's token ids go to the teachers unchanged: one vocabulary, checked before any model loads
     tokenizer = load_tokenizer(args.model_name)
     vocab_check = {f"student ({args.model_name})": tokenizer, f"teacher_pre ({args.teacher_pre})":
@@ -432,83 +328,66 @@ def main(args: Args) -> dict:
     if args.teacher_post:
         vocab_check[f"teacher_post ({args.teacher_post})"] = load_tokenizer(args.teacher_post)
     check_same_vocab(vocab_check)
-    teacher_post = args.teacher_post or build_teacher_post(args, world)
-
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                   answer_field=args.answer_field, solution_field=args.solution_field)
-    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
-                                   **fields_)
-    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                  args.num_eval_problems, args.seed, **fields_)
+    teacher_post = args.teacher_post or default_teacher_post(args.teacher_pre, world)
+    run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
+    train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
     pre_model = load_model(args.teacher_pre, args.dtype, device).eval().requires_grad_(False)
     model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_problems, args.seed + rank)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
-    kl_coef = args.kl_coef
-
-    start_step, first_eval = 0, None
-    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
-        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
-        start_step, first_eval, kl_coef = state["step"], state.get("first_eval"), state["kl_coef"]
-        engine.sync_weights(model)
+    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
+    kl_coef = state.get("kl_coef", args.kl_coef)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
         return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
                         args.temperature, args.eval_pass_k, args.max_prompt_tokens)
 
+    first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
         for name, teacher in (("pre", pre_model), ("post", post_model)):  # greedy only: where the pair stands
             acc = evaluate(HFEngine(teacher, tokenizer), tokenizer, eval_problems, args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens)["eval/greedy_accuracy"]
             first_eval[f"eval/teacher_{name}_greedy_accuracy"] = acc
-        logger.log(start_step, first_eval)
-    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
-               initial=start_step, total=args.total_steps)
+        logger.log(state["step"], first_eval)
+    bar = step_bar(args, state["step"], rank)
     metrics = {}
     vocab = len(tokenizer)
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # 1. Rollouts: group_size completions for each of num_prompts prompts, from the student
         problems = sampler.next(args.num_prompts)
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        t0 = time.time()
-        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens)
-        t_gen = time.time() - t0
+        with timed(times, "generate"):
+            rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                       max_new_tokens=args.max_new_tokens)
 
         # 2. The verifier: logged only (and the outcome term of direct_plus_grpo)
-        t0 = time.time()
-        group_problems = [p for p in problems for _ in range(args.group_size)]
-        correct_B = torch.tensor(score(rollouts.texts, group_problems))
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            group_problems = [p for p in problems for _ in range(args.group_size)]
+            correct_B = torch.tensor(score(rollouts.texts, group_problems))
 
-        # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference
-        t0 = time.time()
         mask_BC = rollouts.completion_mask_BC.clone()
-        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
-                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, vocab=vocab)
-        old_logp_BC, topk_ids_BCK, old_logp_BCK, topk_mass_BC = batched_support_logprobs(
-            model, batch, args.temperature, args.micro_batch_size, vocab, k=args.top_k)
-        post_logp_BC, _, post_logp_BCK, _ = batched_support_logprobs(
-            post_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
-        if args.reward == "vanilla_opd":  # reward log pi_T_post - log pi_student: the teacher's endpoint, not its shift
-            base_logp_BC, base_logp_BCK = old_logp_BC, old_logp_BCK
-        else:
-            base_logp_BC, _, base_logp_BCK, _ = batched_support_logprobs(
-                pre_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
-        ref_logp_BC, _, _, _ = batched_support_logprobs(  # the same code path as the student's: KL is exactly 0 at init
-            ref_model, batch, args.temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
-        t_logp = time.time() - t0
+        # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference
+        with timed(times, "logprobs"):
+            batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                         prompt_len=rollouts.prompt_len, mask_BC=mask_BC, vocab=vocab)
+            old_logp_BC, topk_ids_BCK, old_logp_BCK, topk_mass_BC = batched_support_logprobs(
+                model, batch, args.temperature, args.micro_batch_size, vocab, k=args.top_k)
+            post_logp_BC, _, post_logp_BCK, _ = batched_support_logprobs(
+                post_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
+            if args.reward == "vanilla_opd":  # log pi_T_post - log pi_student: the teacher's endpoint, not its shift
+                base_logp_BC, base_logp_BCK = old_logp_BC, old_logp_BCK
+            else:
+                base_logp_BC, _, base_logp_BCK, _ = batched_support_logprobs(
+                    pre_model, batch, args.teacher_temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
+            ref_logp_BC, _, _, _ = batched_support_logprobs(  # the student's code path: KL is exactly 0 at init
+                ref_model, batch, args.temperature, args.micro_batch_size, vocab, ids_BCK=topk_ids_BCK)
 
         # ALGO LOGIC: 4. dense advantages A_t(v) = w_t(v) * Delta_T(v | s_t) on the student's top-K support
         adv_BCK, weight_BCK, delta_BCK = dense_advantages(old_logp_BCK, post_logp_BCK, base_logp_BCK)
@@ -521,26 +400,24 @@ def main(args: Args) -> dict:
                      ref_logp_BC=ref_logp_BC, adv_BCK=adv_BCK)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        t0 = time.time()
-        sums, grad_norms, kl_coef_used = {}, [], kl_coef
-        for _ in range(args.num_iterations):
-            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
-            for mb in order.split(args.minibatch_size):
-                # token normaliser of the whole mini-batch, summed over ranks, fixed before accumulation
-                norm = {"tokens": all_reduce_sum(torch.tensor([mask_BC[mb].sum().item()]))[0].item()}
-                optimizer.zero_grad(set_to_none=True)
-                for rows in mb.split(args.micro_batch_size):
-                    loss, stats = micro_batch_loss(model, batch, rows, args, norm, kl_coef)
-                    loss.backward()
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                all_reduce_grads(model)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
-        engine.sync_weights(model)
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            sums, grad_norms, kl_coef_used = {}, [], kl_coef
+            for _ in range(args.num_iterations):
+                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                for mb in order.split(args.minibatch_size):
+                    num_tokens = minibatch_counts(mask_BC[mb])[0]  # tokens in the whole mini-batch, all ranks
+                    optimizer.zero_grad(set_to_none=True)
+                    for rows in mb.split(args.micro_batch_size):
+                        loss, stats = micro_batch_loss(model, batch, rows, args, num_tokens, kl_coef)
+                        loss.backward()
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                    optimizer.step()
+                    lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                    scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+            engine.sync_weights(model)
 
         # ALGO LOGIC: 6. adaptive KL coefficient from the batch mean of A over valid top-K entries (all ranks)
         valid_BCK = mask_BC.unsqueeze(-1).expand_as(adv_BCK)
@@ -548,11 +425,11 @@ def main(args: Args) -> dict:
         weighted_reward_mean = (wr[0] / wr[1].clamp(min=1)).item()
         kl_coef = update_kl_coef(kl_coef, weighted_reward_mean, args.kl_adapt_rate, args.kl_coef_min, args.kl_coef_max)
 
-        # TRY NOT TO MODIFY: metrics (grpo.py's names where they mean the same; new ones in the module docstring)
+        # TRY NOT TO MODIFY: metrics (grpo.py's names where they mean the same; new ones in the module docstring);
+        # loss/* are means over optimizer steps, the other sums are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         n_valid = max(mask_BC.sum().item(), 1.0)
-        gen_tokens = rollouts.lengths_B.sum().item()
         return_B = adv_BCK.sum((1, 2))
         metrics = {
             "reward/mean": return_B.mean().item(), "reward/std": return_B.std(unbiased=False).item(),
@@ -562,17 +439,9 @@ def main(args: Args) -> dict:
             "delta_opd/sampled_logratio": ((post_logp_BC - base_logp_BC) * mask_BC).sum().item() / n_valid,
             "delta_opd/topk_mass": (topk_mass_BC * mask_BC).sum().item() / n_valid,
             "kl/coef": kl_coef_used,
-            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
-            "policy/entropy": sums["policy/entropy"] / n_tok,
+            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
             "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
-            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
-            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         if zero_std_P is not None:
             metrics["adv/frac_zero_std"] = zero_std_P.float().mean().item()
@@ -585,15 +454,10 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
                             {"first_eval": first_eval, "kl_coef": kl_coef})
 
-    final_eval = run_eval()
-    logger.log(args.total_steps, final_eval)
-    logger.close()
     if rank == 0:
-        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
         print(f"teacher pair held-out greedy accuracy: pre {first_eval['eval/teacher_pre_greedy_accuracy']:.3f}, "
               f"post {first_eval['eval/teacher_post_greedy_accuracy']:.3f} ({args.reward} reward, no verifier in the loss)")
-        print(f"held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
-              f"run folder {run_dir}")
+    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir, "teacher_post": teacher_post}
 
 

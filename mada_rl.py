@@ -36,13 +36,14 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
     python mada_rl.py --model-name deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dataset my_math.jsonl \\
         --eval-dataset my_math_test.jsonl --device cuda --dtype bfloat16 --max-new-tokens 4096 --lora-r 16 \\
         --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
+
+Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
 
 import inspect
 import json
 import os
 import random
-import resource
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -53,11 +54,12 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, load_problems, render_prompt
+from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
 from common.dist import refuse_fsdp
 from common.logger import RunLogger, check_run_args, fail
 from common.models import load_model, load_tokenizer
-from common.rollout import completion_logprobs, make_engine
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.run import load_train_eval, minibatch_counts, rollout_perf_metrics, timed
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 
@@ -235,41 +237,43 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: f
     """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
     adv_B1 = adv_B.unsqueeze(1)
-    unclipped = -ratio_BC * adv_B1
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_B1
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
-def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
-    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch."""
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
+              max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch (its tokens in the loss,
+    its sequences with at least one such token, all its sequences)."""
     summed_B = (token_loss_BC * mask_BC).sum(1)
     if mode == "token_mean":
         return summed_B.sum() / max(num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
-        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_nonempty, 1.0)
     if mode == "constant":
         return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """Policy-gradient loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
-    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(pg_BC)
     with torch.no_grad():
-        log_ratio = logp_BC - old_logp_BC
+        log_ratio_BC = logp_BC - old_logp_BC
         stats = {
             "loss/policy": loss.item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
-            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
         }
     return loss, stats
@@ -415,7 +419,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     step = step0
     for i in bar:
         step = step0 + i
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x)
         batch_records = sampler.next(args.num_prompts)
         if stage == 1:
@@ -424,18 +428,16 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             problems = [r[0] for r in batch_records]
             texts = [render_critic_prompt(p, props, tokenizer) for p, props, _ in batch_records]
         prompt_ids = encode_prompts(tokenizer, texts, args.max_prompt_tokens)
-        t0 = time.time()
-        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens)
-        t_gen = time.time() - t0
+        with timed(times, "generate"):
+            rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                       max_new_tokens=args.max_new_tokens)
 
         # 2. Rewards: R = 2 R_acc + R_len, the length term normalised within each group
-        t0 = time.time()
-        group_problems = [p for p in problems for _ in range(args.group_size)]
-        correct_PG = torch.tensor(score(rollouts.texts, group_problems)).view(-1, args.group_size)
-        len_PG = length_reward(correct_PG, rollouts.lengths_B.view(-1, args.group_size))
-        rewards_PG = args.acc_weight * correct_PG + len_PG
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            group_problems = [p for p in problems for _ in range(args.group_size)]
+            correct_PG = torch.tensor(score(rollouts.texts, group_problems)).view(-1, args.group_size)
+            len_PG = length_reward(correct_PG, rollouts.lengths_B.view(-1, args.group_size))
+            rewards_PG = args.acc_weight * correct_PG + len_PG
 
         # ALGO LOGIC: 3. advantages: group z-score (generators, ablated critics) or A_C = R_C - 2 acc_G (critics)
         adv_PG, zero_std_P = group_advantages(rewards_PG, args.adv_eps)
@@ -449,35 +451,28 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
 
         # 4. old log-probs only when the ratio can differ from 1
         needs_old = args.num_iterations > 1 or args.num_minibatches > 1
-        old_logp_BC = None
-        if needs_old:
-            with torch.no_grad():
-                old_logp_BC = torch.cat([completion_logprobs(model, rollouts.input_ids_BT[r], rollouts.attention_mask_BT[r],
-                                                             rollouts.prompt_len, args.temperature)[0]
-                                         for r in torch.arange(args.batch_size).split(args.micro_batch_size)])
+        old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                       if needs_old else None)
         batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                      prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B, old_logp_BC=old_logp_BC)
 
         # 5. Update of the active adapter only
-        t0 = time.time()
-        sums, grad_norms = {}, []
-        for _ in range(args.num_iterations):
-            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
-            for mb in order.split(args.minibatch_size):
-                norm = {"tokens": mask_BC[mb].sum().item(),
-                        "seqs": float((mask_BC[mb].sum(1) > 0).sum()) if args.loss_agg == "seq_mean_token_mean"
-                        else float(len(mb))}
-                optimizer.zero_grad(set_to_none=True)
-                for rows in mb.split(args.micro_batch_size):
-                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
-                    loss.backward()
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
-                optimizer.step()
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            sums, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                for mb in order.split(args.minibatch_size):
+                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch
+                    optimizer.zero_grad(set_to_none=True)
+                    for rows in mb.split(args.micro_batch_size):
+                        loss, stats = micro_batch_loss(model, batch, rows, args, counts)
+                        loss.backward()
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
+                    optimizer.step()
 
-        # metrics: grpo.py's names plus mada/*
+        # metrics: grpo.py's names plus mada/*; loss/* are means over optimizer steps, the other sums are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         lengths_PG = rollouts.lengths_B.float().view(-1, args.group_size)
@@ -485,15 +480,9 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             "reward/mean": rewards_PG.mean().item(), "reward/std": rewards_PG.std(unbiased=False).item(),
             "train/accuracy": correct_PG.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            "loss/policy": sums["loss/policy"] / n_updates,
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
-            "policy/entropy": sums["policy/entropy"] / n_tok,
+            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
             "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": args.learning_rate,
-            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
-            "perf/gen_tokens_per_s": rollouts.lengths_B.sum().item() / max(t_gen, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/update": t_update,
-            "perf/peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
+            **rollout_perf_metrics(rollouts, times, args.num_iterations, args.device),
             "mada/stage": stage, "mada/agent": agent,
             "mada/len_reward": len_PG.mean().item(), "mada/adv_mean": adv_B.mean().item(),
             "mada/correct_len": (lengths_PG * correct_PG).sum().item() / max(correct_PG.sum().item(), 1.0),
@@ -575,13 +564,10 @@ def main(args: Args) -> dict:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = args.device
-    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                   answer_field=args.answer_field, solution_field=args.solution_field)
 
     if args.eval_debate:  # deployment only, from a finished run folder
         model, tokenizer, generators, critics, saved = load_run_agents(args.eval_debate.rstrip("/"), args, device)
-        eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                      args.num_eval_problems, args.seed, **fields_)
+        eval_problems = load_train_eval(args)[1]
         engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
         res = debate_metrics(debate(model, engine, tokenizer, eval_problems, generators, critics, args.debate_rounds,
                                     args.max_new_tokens, args.max_prompt_tokens), eval_problems, len(generators))
@@ -590,10 +576,7 @@ def main(args: Args) -> dict:
 
     run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tokenizer = load_tokenizer(args.model_name)
-    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
-                                   **fields_)
-    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                  args.num_eval_problems, args.seed, **fields_)
+    train_problems, eval_problems = load_train_eval(args)
     generators, critics = agent_names(args.num_generators, args.num_critics)
     splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
     if min(len(s) for s in splits) < args.num_prompts:

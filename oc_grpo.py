@@ -22,7 +22,7 @@ out from x~ and trained on x with the same weight).
 
 Left out, on purpose: veRL's dual-clip (c = 3) for negative advantages (grpo.py has none, and
 a diff should show only the guidance), the system prompt and "Reference solution:" wording of
-the paper's chat prompts (common.data.render_prompt builds the guided prompt: testbed
+the paper's chat prompts (render_guided_prompt builds the guided prompt: testbed
 "Ref:<prefix>" line, real data "Partial reference solution: ..."), hint (non-prefix)
 guidance and the "replacement2" mode that swaps only correct guided samples into a group,
 and the is_weight_power knob.
@@ -41,92 +41,42 @@ perf/gen_tokens_per_s count all generation of the step, the cascade's included (
         --max-new-tokens 1024 --num-prompts 32 --group-size 16 --temperature 0.7 --micro-batch-size 16 \\
         --learning-rate 1e-6 --total-steps 64
     torchrun --nproc-per-node 8 oc_grpo.py --model-name ... --device cuda   # data parallel, one rank per GPU
+
+Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens.
 """
 
 import copy
 import os
-import random
 import re
-import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
-from common.data import PromptSampler, encode_prompts, load_problems, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, refuse_fsdp
+from common.args import TrainArgs
+from common.data import PromptSampler, encode_prompts, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, refuse_fsdp
 from common.evaluate import evaluate
-from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
-from common.rollout import Rollouts, batched_logprobs, completion_logprobs, left_pad, make_engine
+from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
+from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+                        rollout_perf_metrics, start_run, step_bar, timed)
+from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, model, data, rollout engine, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (each rank adds its rank)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
-    save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the policy weights"""
-    fsdp: bool = False
-    """FSDP2 sharding (docs/fsdp.md); not supported: guided re-generation runs only on ranks with all-fail groups"""
-
-    # Model and data
-    model_name: str = "testbed-weak"
-    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
-    dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
-    dataset_config: str | None = None
-    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split used for training (Hugging Face datasets)"""
-    eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
-    eval_split: str = "test"
-    """split used for held-out evaluation"""
     levels: tuple[int, ...] = (5,)
     """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
-    question_field: str | None = None
-    """record field holding the question (auto-detected when unset)"""
-    answer_field: str | None = None
-    """record field holding the final answer (auto-detected when unset)"""
-    solution_field: str | None = None
-    """record field holding a reference solution (optional)"""
-    num_train_problems: int = 0
-    """keep only this many training problems (0: all; testbed: 500 per level)"""
-    max_prompt_tokens: int = 0
-    """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
-    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
-    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
-    in place after every update; needs the vllm extra, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 8
@@ -192,16 +142,6 @@ class Args:
     fixed_probe_samples: int = 8
     """--guidance fixed: samples per problem and fraction in the offline probe"""
 
-    # Evaluation
-    eval_every: int = 50
-    """evaluate every N steps (0: only before and after training)"""
-    num_eval_problems: int = 200
-    """held-out problems per evaluation"""
-    eval_samples: int = 4
-    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
-    eval_pass_k: int = 4
-    """k of the logged eval/pass_at_k"""
-
     # Filled in at runtime
     batch_size: int = 0
     """rollouts per step per rank = num_prompts * group_size"""
@@ -232,13 +172,13 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
 
 def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d = logp_BC - ref_logp_BC
+    d_BC = logp_BC - ref_logp_BC
     if estimator == "k1":
-        return d
+        return d_BC
     if estimator == "k2":
-        return 0.5 * d**2
+        return 0.5 * d_BC**2
     if estimator == "k3":
-        return torch.expm1(-d) + d
+        return torch.expm1(-d_BC) + d_BC
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -285,30 +225,32 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_BC, clip_low: float, clip_high: 
     adv_BC is the per-token advantage w_it * A_i (OC-GRPO section 2.4: the weight scales A, not rho)."""
     # differs from grpo.py: a per-token advantage adv_BC instead of adv_B; equal when adv_BC = adv_B[:, None]
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
-    unclipped = -ratio_BC * adv_BC
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_BC
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_BC
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_BC
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
-def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
-    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
-    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
+              max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch (its tokens in the loss,
+    its sequences with at least one such token, all its sequences), so that summing micro-batch gradients gives the
+    mini-batch gradient whatever the split."""
     summed_B = (token_loss_BC * mask_BC).sum(1)
     if mode == "token_mean":
         return summed_B.sum() / max(num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
-        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_nonempty, 1.0)
     if mode == "constant":
         return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
@@ -318,38 +260,27 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
     if args.beta > 0:
         kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
         token_loss_BC = pg_BC + args.beta * kl_BC
-    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(token_loss_BC)
     with torch.no_grad():
-        log_ratio = logp_BC - old_logp_BC
+        log_ratio_BC = logp_BC - old_logp_BC
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
-            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
         }
     return loss, stats
 
 
-# ALGO LOGIC: guided rollouts, re-attached to the unguided prompt
-def split_completions(rollouts: Rollouts) -> list[tuple[list[int], str, bool]]:
-    """(token ids up to and including eos, text, truncated) of each row, free of the prompt it was sampled from."""
-    return [(rollouts.completion_ids_BC[i, : int(rollouts.lengths_B[i])].tolist(), rollouts.texts[i],
-             bool(rollouts.truncated_B[i])) for i in range(len(rollouts.texts))]
-
-
-def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int) -> Rollouts:
-    """Rows [prompt_i | completion_i]: prompts left-padded to P, completions right-padded to `width`, so token t
-    of a completion sits at column P + t whichever prompt ([x|y] or [x~|y]) it is attached to."""
-    ids_BP, mask_BP = left_pad(prompts, pad_id)
-    comp_BC = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask_BC = torch.zeros((len(prompts), width))
-    for i, (ids, _, _) in enumerate(completions):
-        comp_BC[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask_BC[i, : len(ids)] = 1.0
-    return Rollouts(torch.cat([ids_BP, comp_BC], 1), torch.cat([mask_BP, mask_BC.long()], 1), mask_BC,
-                    ids_BP.shape[1], [c[1] for c in completions], mask_BC.sum(1).long(),
-                    torch.tensor([c[2] for c in completions], dtype=torch.bool))
+# ALGO LOGIC: guided prompts and rollouts (common.rollout.attach re-attaches a completion to another prompt)
+def render_guided_prompt(problem, tokenizer, prefix: str) -> str:
+    """The guided prompt x~: the question and the first part of its reference solution. Testbed: the "Ref:<prefix>"
+    line the testbed models were warm-started with; other data: "Partial reference solution: <prefix>" after the
+    question's template (the paper puts "Reference solution:" in its system prompt)."""
+    if problem.task == "testbed":
+        return render_testbed_prompt(problem.question, solution_prefix=prefix)
+    return render_prompt(problem, tokenizer, suffix=f"\n\nPartial reference solution: {prefix}")
 
 
 def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args) -> tuple[dict, int, float]:
@@ -360,7 +291,7 @@ def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int,
     for frac in args.prefix_fractions:
         if not pending:
             break
-        prompts = encode_prompts(tokenizer, [render_prompt(problems[i], tokenizer, solution_prefix=solution_prefix(
+        prompts = encode_prompts(tokenizer, [render_guided_prompt(problems[i], tokenizer, solution_prefix(
             problems[i].solution, frac)) for i in pending], args.max_prompt_tokens)
         t0 = time.time()
         out = engine.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
@@ -385,35 +316,22 @@ def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
     rank, world, device = init_distributed(args.device)
     refuse_fsdp(args, "oc_grpo.py", "guided re-generation and hint log-probs run only on ranks with all-fail groups, "
                 "while under FSDP every forward is a collective that all ranks join")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
-    args.batch_size = args.num_prompts * args.group_size
-    args.minibatch_size = args.batch_size // args.num_minibatches
     if not args.prefix_fractions or not all(0 <= f <= 1 for f in args.prefix_fractions):
         raise SystemExit(f"error: --prefix-fractions {args.prefix_fractions}: give one or more fractions in [0, 1]")
     if not 0 < args.is_clip_min <= 1:
         raise SystemExit(f"error: --is-clip-min {args.is_clip_min} must be in (0, 1]")
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    run_dir = args.resume.rstrip("/") or os.path.join(
-        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
-
+    run_dir = start_run(args, rank)
     tokenizer = load_tokenizer(args.model_name)
-    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                   answer_field=args.answer_field, solution_field=args.solution_field)
-    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
-                                   **fields_)
-    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                  args.num_eval_problems, args.seed, **fields_)
+    train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    optimizer, scheduler = make_optimizer(model.parameters(), args)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
     if not any(p.solution for p in train_problems):
         raise SystemExit("error: no training problem has a reference solution, so there is nothing to guide with; "
@@ -428,59 +346,52 @@ def main(args: Args) -> dict:
         if rank == 0:
             print(f"fixed guidance: {len(probe)}/{len(train_problems)} problems solvable with a prefix")
     sampler = PromptSampler(rows, args.seed + rank)
-
-    start_step, first_eval = 0, None
-    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
-        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
-        start_step, first_eval = state["step"], state.get("first_eval")
-        engine.sync_weights(model)
+    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
         return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
                         args.temperature, args.eval_pass_k, args.max_prompt_tokens)
 
+    first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
-        logger.log(start_step, first_eval)
-    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
-               initial=start_step, total=args.total_steps)
+        logger.log(state["step"], first_eval)
+    bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts (fixed guidance: guided rows sample from x~)
         G = args.group_size
         items = sampler.next(args.num_prompts)
         problems, fracs = [p for p, _ in items], [f for _, f in items]
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        sample_ids = [x if f is None else encode_prompts(tokenizer, [render_prompt(
-            p, tokenizer, solution_prefix=solution_prefix(p.solution, f))], args.max_prompt_tokens)[0]
+        sample_ids = [x if f is None else encode_prompts(tokenizer, [render_guided_prompt(
+            p, tokenizer, solution_prefix(p.solution, f))], args.max_prompt_tokens)[0]
             for x, p, f in zip(prompt_ids, problems, fracs)]
-        t0 = time.time()
-        sampled = engine.generate(sample_ids, n=G, temperature=args.temperature, top_p=args.top_p,
-                                  max_new_tokens=args.max_new_tokens)
-        t_gen = time.time() - t0
+        with timed(times, "generate"):
+            sampled = engine.generate(sample_ids, n=G, temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=args.max_new_tokens)
 
         # 2. Rewards from the verifier
-        t0 = time.time()
-        group_problems = [p for p in problems for _ in range(args.group_size)]
-        correct = score(sampled.texts, group_problems)
-        unguided_B = torch.tensor([f is None for f in fracs]).repeat_interleave(G)
-        first_correct_B = torch.tensor(correct)
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            group_problems = [p for p in problems for _ in range(args.group_size)]
+            correct = score(sampled.texts, group_problems)
+            unguided_B = torch.tensor([f is None for f in fracs]).repeat_interleave(G)
+            first_correct_B = torch.tensor(correct)
 
         # ALGO LOGIC: 2b. the cascade: each unguided group whose G rollouts all fail is replaced WHOLE by the G
         # rollouts of the lowest prefix fraction with a success (no success at any fraction: it stays all-zero)
-        t0 = time.time()
-        failed = [g for g in range(len(problems)) if fracs[g] is None and not any(correct[g * G : (g + 1) * G])]
-        rescued, guide_tokens, t_guide_gen = (guidance_cascade(engine, tokenizer, problems, failed, G, args)
-                                              if args.guidance == "adaptive" else ({}, 0, 0.0))
-        fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
-        batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(sampled))]
-        batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok) for c, ok in zip(r[2], r[3])]
-                                                 for g, r in rescued.items()}, G)
-        guided_B = torch.tensor([f is not None for f in fracs]).repeat_interleave(G)
-        t_guide = time.time() - t0
+        with timed(times, "guidance"):
+            failed = [g for g in range(len(problems)) if fracs[g] is None and not any(correct[g * G : (g + 1) * G])]
+            rescued, guide_tokens, t_guide_gen = (guidance_cascade(engine, tokenizer, problems, failed, G, args)
+                                                  if args.guidance == "adaptive" else ({}, 0, 0.0))
+            fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
+            batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(sampled))]
+            batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok) for c, ok in zip(r[2], r[3])]
+                                                     for g, r in rescued.items()}, G)
+            guided_B = torch.tensor([f is not None for f in fracs]).repeat_interleave(G)
+        times["generate"] += t_guide_gen  # time/generate counts the cascade's generation too
 
         # guided rows are re-attached to the unguided prompt x ([x|y]); --prompt-mode hinted keeps x~ ([x~|y])
         completions = [c for _, c, _ in batch_rows]
@@ -503,76 +414,63 @@ def main(args: Args) -> dict:
 
         # 4. old and reference log-probs on [x|y] (no grad), hint log-probs on [x~|y] for guided rows, and the
         # context-shift weight w (1 on unguided rows); with one epoch and one mini-batch, rho = 1 exactly
-        t0 = time.time()
-        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
-        weigh = not hinted and args.correction != "none" and bool(guided_B.any())
-        old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
-                       if needs_old or weigh else None)
-        w_BC = torch.ones_like(mask_BC)
-        gi = guided_B.nonzero().flatten()
-        if weigh:
-            hint_rollouts = attach([batch_rows[b][0] for b in gi.tolist()], [completions[b] for b in gi.tolist()],
-                                   tokenizer.pad_token_id, width)  # [x~|y]: same completion columns as [x|y]
-            hint_logp_BC = batched_logprobs(model, hint_rollouts, args.temperature, args.micro_batch_size)
-            w_BC[gi] = importance_weights(old_logp_BC[gi], hint_logp_BC, rollouts.completion_mask_BC[gi],
-                                          args.correction, args.is_clip_min)
-        adv_BC = adv_B.unsqueeze(1) * w_BC  # the weight multiplies the (detached) advantage, not the ratio
-        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
-                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_BC,
-                     old_logp_BC=old_logp_BC if needs_old else None,
-                     ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
-                     if ref_model is not None else None)
-        t_logp = time.time() - t0
+        with timed(times, "logprobs"):
+            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            weigh = not hinted and args.correction != "none" and bool(guided_B.any())
+            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                           if needs_old or weigh else None)
+            w_BC = torch.ones_like(mask_BC)
+            guided_rows = guided_B.nonzero().flatten()
+            if weigh:  # [x~|y]: the same completion columns as [x|y]
+                hint_rollouts = attach([batch_rows[b][0] for b in guided_rows.tolist()],
+                                       [completions[b] for b in guided_rows.tolist()], tokenizer.pad_token_id, width)
+                hint_logp_BC = batched_logprobs(model, hint_rollouts, args.temperature, args.micro_batch_size)
+                w_BC[guided_rows] = importance_weights(old_logp_BC[guided_rows], hint_logp_BC,
+                                                       rollouts.completion_mask_BC[guided_rows], args.correction,
+                                                       args.is_clip_min)
+            adv_BC = adv_B.unsqueeze(1) * w_BC  # the weight multiplies the (detached) advantage, not the ratio
+            batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                         prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_BC,
+                         old_logp_BC=old_logp_BC if needs_old else None,
+                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                         if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        t0 = time.time()
-        sums, grad_norms = {}, []
-        for _ in range(args.num_iterations):
-            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
-            for mb in order.split(args.minibatch_size):
-                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
-                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
-                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
-                norm = {"tokens": norm_t[0].item(),
-                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
-                optimizer.zero_grad(set_to_none=True)
-                for rows in mb.split(args.micro_batch_size):
-                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
-                    loss.backward()
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                all_reduce_grads(model)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
-        engine.sync_weights(model)
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            sums, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                for mb in order.split(args.minibatch_size):
+                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
+                    optimizer.zero_grad(set_to_none=True)
+                    for rows in mb.split(args.micro_batch_size):
+                        loss, stats = micro_batch_loss(model, batch, rows, args, counts)
+                        loss.backward()
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                    optimizer.step()
+                    lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                    scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+            engine.sync_weights(model)
 
-        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        # TRY NOT TO MODIFY: metrics (names documented in README.md); loss/* are means over optimizer steps, the
+        # other sums are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
-        gen_tokens, t_gen = sampled.lengths_B.sum().item() + guide_tokens, t_gen + t_guide_gen  # the cascade's included
+        gen_tokens = sampled.lengths_B.sum().item() + guide_tokens  # the cascade's included
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": first_correct_B[unguided_B].float().mean().item() if unguided_B.any() else 0.0,
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
-            "policy/entropy": sums["policy/entropy"] / n_tok,
+            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
             "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
-            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
-            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "time/guidance": t_guide,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(rollouts, times, args.num_iterations, device, gen_tokens),
         }
         # guidance and importance-weight statistics (weights over guided tokens; 1, 1, 0 when no row is guided)
-        gmask_BC = rollouts.completion_mask_BC[gi]
-        w_tok = w_BC[gi][gmask_BC > 0]
+        guided_mask_BC = rollouts.completion_mask_BC[guided_rows]
+        w_tok = w_BC[guided_rows][guided_mask_BC > 0]
         metrics.update({
             "guide/zero_reward_groups": float(len(failed)), "guide/rescued_groups": float(len(rescued)),
             "guide/frac_rescued": len(rescued) / max(len(failed), 1),
@@ -591,13 +489,7 @@ def main(args: Args) -> dict:
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
 
-    final_eval = run_eval()
-    logger.log(args.total_steps, final_eval)
-    logger.close()
-    if rank == 0:
-        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
-        print(f"held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
-              f"run folder {run_dir}")
+    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
 
 

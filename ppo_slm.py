@@ -57,13 +57,14 @@ plus `rm/score_mean`, `rm/score_std` (raw RM scores of the rollouts),
         --rm-steps 2500 --rm-lr 1e-5     # SmolLM2-360M: --lora-target-modules q_proj v_proj o_proj gate_proj up_proj
     python ppo_slm.py --sft-adapter runs/X/sft_adapter --reward-model runs/X/reward_model   # PPO only
     torchrun --nproc-per-node 8 ppo_slm.py --device cuda ...  # data parallel PPO; SFT and RM run on rank 0
+
+Shapes: B rows (one completion per prompt), T tokens per row, C completion tokens, V vocabulary.
 """
 
 import copy
 import math
 import os
 import random
-import resource
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -79,6 +80,7 @@ from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_
 from common.logger import RunLogger
 from common.models import load_model, load_score_model, load_tokenizer, resolve_model
 from common.rollout import HFEngine, batched_logprobs, left_pad, position_ids
+from common.run import rollout_perf_metrics, timed
 from common.testbed import render_testbed_prompt
 from common.verifiers import score
 
@@ -210,15 +212,8 @@ class Args:
     max_rollbacks: int = 5
     """stop training after this many rollbacks"""
 
-    # Fault injection (tests and benchmarks)
     rm_noise_std: float = 0.0
-    """Gaussian noise added to every raw RM score (a deliberately noisy reward model)"""
-    inject_nonfinite_scores: float = 0.0
-    """fraction of RM scores replaced by NaN or inf"""
-    inject_inf_weight_step: int = 0
-    """after this step's update, set one trainable weight to inf (0: never)"""
-    inject_ratio_step: int = 0
-    """at this step, lower the old log-probs by 5 nats so that ratios are about e^5 (0: never)"""
+    """Gaussian noise added to every raw RM score (a deliberately noisy RM, as in benchmarks/ppo_slm_benchmark.py)"""
 
     # Evaluation
     num_eval_prompts: int = 200
@@ -436,6 +431,35 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
     return pg_loss + args.vf_coef * vf_loss, stats
 
 
+@torch.no_grad()
+def old_logprobs_values(policy, v_head, ro, args: Args, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and values of the rollouts under the policy that sampled them, minibatch_size rows at a time."""
+    parts = [policy_forward(policy, v_head, ro.input_ids_BT[r].to(device), ro.attention_mask_BT[r].to(device),
+                            ro.prompt_len, args.temperature)
+             for r in torch.arange(len(ro.input_ids_BT)).split(args.minibatch_size)]
+    mask_BC = ro.completion_mask_BC
+    return torch.cat([p[0] for p in parts]).cpu() * mask_BC, torch.cat([p[1] for p in parts]).cpu() * mask_BC
+
+
+def all_finite(params: dict) -> bool:
+    return all(torch.isfinite(p).all() for p in params.values())
+
+
+def healthy_state(params: dict, optimizer) -> tuple[dict, dict]:
+    """A copy of the trainable weights and the optimizer state, to roll back to."""
+    return {n: p.detach().clone() for n, p in params.items()}, copy.deepcopy(optimizer.state_dict())
+
+
+@torch.no_grad()
+def roll_back(params: dict, optimizer, healthy: tuple[dict, dict]) -> None:
+    """Restore the weights (and, when given, the optimizer state) of the last healthy_state."""
+    weights, opt_state = healthy
+    for n, p in params.items():
+        p.copy_(weights[n])
+    if optimizer is not None:
+        optimizer.load_state_dict(opt_state)
+
+
 def check_not_frozen(lm_params: dict, before: dict) -> float:
     """The silent-freeze check: trainable LM (LoRA) parameters exist and moved in the first update."""
     if not lm_params:
@@ -567,7 +591,7 @@ def main(args: Args) -> dict:
     trainable = {n: p for n, p in actor_critic.named_parameters() if p.requires_grad}
     lm_params = {n: p for n, p in trainable.items() if not n.startswith("v_head")}
     optimizer = torch.optim.AdamW(trainable.values(), lr=args.learning_rate)
-    healthy = ({n: p.detach().clone() for n, p in trainable.items()}, copy.deepcopy(optimizer.state_dict()))
+    healthy = healthy_state(trainable, optimizer)
     guard, moments, beta = FiniteLogits(), RunningMoments(), args.init_kl_coef
     logger = RunLogger(args, run_dir, enabled=rank == 0)
     is_testbed = args.dataset == "testbed"
@@ -596,38 +620,26 @@ def main(args: Args) -> dict:
     rollbacks, checked, metrics, step = 0, False, {}, 0
     bar = tqdm(range(1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0)
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # 1. Rollouts: one completion per prompt, through the logits guard
         batch_ex = random.sample(train_ex, args.num_prompts)
         prompt_ids = tokenizer([e.prompt for e in batch_ex], add_special_tokens=False)["input_ids"]
-        t0, fixes0 = time.time(), guard.fixed
-        ro = generate(policy, tokenizer, prompt_ids, args, guard)
-        t_gen = time.time() - t0
+        fixes0 = guard.fixed
+        with timed(times, "generate"):
+            ro = generate(policy, tokenizer, prompt_ids, args, guard)
 
-        # 2. Reward-model scores: noise / faults injected here, then NaN/inf -> 0, whitening, 3-sigma clip
-        t0 = time.time()
-        raw_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
-        raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
-        if args.inject_nonfinite_scores:
-            hit_B = torch.rand_like(raw_B) < args.inject_nonfinite_scores  # even rows NaN, odd rows +inf
-            raw_B = raw_B.masked_fill(hit_B, float("nan")).masked_fill(hit_B & (torch.arange(len(raw_B)) % 2 == 1),
-                                                                       float("inf"))
-        scores_B, n_bad = shape_scores(raw_B, moments, args)
-        correct_B = verify(ro.texts, batch_ex) if is_testbed else None
-        t_score = time.time() - t0
+        # 2. Reward-model scores (plus --rm-noise-std noise), then NaN/inf -> 0, whitening, 3-sigma clip
+        with timed(times, "score"):
+            raw_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
+            raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
+            scores_B, n_bad = shape_scores(raw_B, moments, args)
+            correct_B = verify(ro.texts, batch_ex) if is_testbed else None
 
         # 3. Old log-probs and values, reference log-probs (no grad)
-        t0 = time.time()
-        mask_BC, ids_BT, attn_BT, P = ro.completion_mask_BC, ro.input_ids_BT, ro.attention_mask_BT, ro.prompt_len
-        with torch.no_grad():
-            parts = [policy_forward(policy, v_head, ids_BT[r].to(device), attn_BT[r].to(device), P, args.temperature)
-                     for r in torch.arange(len(ids_BT)).split(args.minibatch_size)]
-        old_logp_BC = torch.cat([p[0] for p in parts]).cpu() * mask_BC
-        values_BC = torch.cat([p[1] for p in parts]).cpu() * mask_BC
-        ref_logp_BC = batched_logprobs(ref_model, ro, args.temperature, args.minibatch_size)
-        if step == args.inject_ratio_step:
-            old_logp_BC = old_logp_BC - 5.0 * mask_BC
-        t_logp = time.time() - t0
+        mask_BC, ids_BT, attn_BT = ro.completion_mask_BC, ro.input_ids_BT, ro.attention_mask_BT
+        with timed(times, "logprobs"):
+            old_logp_BC, values_BC = old_logprobs_values(policy, v_head, ro, args, device)
+            ref_logp_BC = batched_logprobs(ref_model, ro, args.temperature, args.minibatch_size)
 
         # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages
         kl_BC = (old_logp_BC - ref_logp_BC) * mask_BC
@@ -641,45 +653,39 @@ def main(args: Args) -> dict:
                      old_logp_BC=old_logp_BC)
 
         # 5. Update: ppo_epochs x num_minibatches, with the ratio guard and the rollback after the step
-        t0 = time.time()
-        before = {n: p.detach().clone() for n, p in lm_params.items()}
-        sums, grad_norms, skips, max_ratio, n_updates = {}, [], 0, 0.0, 0
-        for _ in range(args.ppo_epochs):
-            for rows in torch.randperm(args.num_prompts).split(args.minibatch_size):
-                n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))
-                logp_BC, new_values_BC, entropy_BC = policy_forward(
-                    policy, v_head, ids_BT[rows].to(device), attn_BT[rows].to(device), P, args.temperature)
-                loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
-                stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
-                mean_ratio = (all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()
-                max_ratio = max(max_ratio, stats.pop("max_ratio"))
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
-                skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
-                optimizer.zero_grad(set_to_none=True)
-                (loss * 0.0 if guarded else loss).backward()
-                all_reduce_grads(actor_critic)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
-                optimizer.step()
-                n_updates += not guarded
-        if step == args.inject_inf_weight_step:
-            with torch.no_grad():
-                next(iter(lm_params.values()) if lm_params else iter(trainable.values())).view(-1)[0] = float("inf")
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            before = {n: p.detach().clone() for n, p in lm_params.items()}
+            sums, grad_norms, skips, max_ratio, n_updates = {}, [], 0, 0.0, 0
+            for _ in range(args.ppo_epochs):
+                for rows in torch.randperm(args.num_prompts).split(args.minibatch_size):
+                    n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))
+                    logp_BC, new_values_BC, entropy_BC = policy_forward(
+                        policy, v_head, ids_BT[rows].to(device), attn_BT[rows].to(device), ro.prompt_len,
+                        args.temperature)
+                    loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
+                    stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
+                    mean_ratio = (all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()
+                    max_ratio = max(max_ratio, stats.pop("max_ratio"))
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
+                    skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
+                    optimizer.zero_grad(set_to_none=True)
+                    (loss * 0.0 if guarded else loss).backward()
+                    all_reduce_grads(actor_critic)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
+                    optimizer.step()
+                    n_updates += not guarded
 
         # Safety: roll back non-finite weights; check once that the LoRA is not silently frozen
-        stop, finite = "", all(torch.isfinite(p).all() for p in trainable.values())
+        stop, finite = "", all_finite(trainable)
         if args.rollback and not finite:
-            with torch.no_grad():
-                for n, p in trainable.items():
-                    p.copy_(healthy[0][n])
-            optimizer.load_state_dict(healthy[1])
+            roll_back(trainable, optimizer, healthy)
             rollbacks += 1
             if rollbacks >= args.max_rollbacks:
                 stop = f"stopping: {rollbacks} rollbacks (non-finite weights after {rollbacks} updates)"
         elif finite:
-            healthy = ({n: p.detach().clone() for n, p in trainable.items()}, copy.deepcopy(optimizer.state_dict()))
+            healthy = healthy_state(trainable, optimizer)
             if not checked and n_updates:
                 check_not_frozen(lm_params, before)
                 checked = True
@@ -705,15 +711,9 @@ def main(args: Args) -> dict:
             "policy/approx_kl": sums["policy/approx_kl"] / n_tok, "policy/entropy": sums["policy/entropy"] / n_tok,
             "policy/kl_ref": kl_ref, "kl/beta": beta,
             "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": args.learning_rate,
-            "rollout/completion_len": ro.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": ro.truncated_B.float().mean().item(),
             "safety/nonfinite_scores": n_bad, "safety/logit_fixes": guard.fixed - fixes0,
             "safety/max_ratio": max_ratio, "safety/ratio_guard_skips": skips, "safety/rollbacks": rollbacks,
-            "perf/gen_tokens_per_s": ro.lengths_B.sum().item() / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.ppo_epochs * attn_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(ro, times, args.ppo_epochs, device),
         }
         if correct_B is not None:
             metrics["train/accuracy"] = correct_B.mean().item()
@@ -727,9 +727,7 @@ def main(args: Args) -> dict:
 
     # Final evaluation against the SFT samples on the same prompts, and the PPO adapter + value head
     if args.rollback:  # never save or evaluate non-finite weights
-        with torch.no_grad():
-            for n, p in trainable.items():
-                p.copy_(healthy[0][n])
+        roll_back(trainable, None, healthy)
     final, s_B, c_B = run_eval(policy)
     final["eval/win_rate_rm"] = ((s_B > sft_s_B).float() + 0.5 * (s_B == sft_s_B).float()).mean().item()
     delta, spread = (s_B.mean() - sft_s_B.mean()).item(), math.sqrt(s_B.var().item() + sft_s_B.var().item())

@@ -42,13 +42,14 @@ counts are all-reduced; each rank keeps its own success-rate table), sequence pa
         --group-size 8 --micro-batch-size 16 --learning-rate 1e-6 --total-steps 200
     python rloo_sec.py --dataset math_train.jsonl --eval-dataset math_test.jsonl ...   # a 'level' field gives the arms
     torchrun --nproc-per-node 8 rloo_sec.py --model-name ... --device cuda   # data parallel, one rank per GPU
+
+Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, M curriculum arms.
 """
 
 import copy
 import math
 import os
 import random
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -56,81 +57,27 @@ from typing import Literal
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
-from common.data import encode_prompts, load_problems, render_prompt
+from common.args import TrainArgs
+from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate
-from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch
+from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+                        rollout_perf_metrics, start_run, step_bar, timed)
 from common.verifiers import format_reward, score
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, model, data, rollout engine, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (each rank adds its rank)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
-    save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the policy weights"""
-    fsdp: bool = False
-    """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
-    root; reference model too); without it every rank holds the whole model (docs/fsdp.md)"""
-    fsdp_mixed_precision: bool = False
-    """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
-
-    # Model and data
-    model_name: str = "testbed-weak"
-    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
-    dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
-    dataset_config: str | None = None
-    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split used for training (Hugging Face datasets)"""
-    eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
-    eval_split: str = "test"
-    """split used for held-out evaluation"""
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
     """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest); with several, SEC has arms"""
-    question_field: str | None = None
-    """record field holding the question (auto-detected when unset)"""
-    answer_field: str | None = None
-    """record field holding the final answer (auto-detected when unset)"""
-    solution_field: str | None = None
-    """record field holding a reference solution (optional)"""
-    num_train_problems: int = 0
-    """keep only this many training problems (0: all; testbed: 500 per level)"""
-    max_prompt_tokens: int = 0
-    """truncate prompts to their last N tokens (0: never)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
-    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
-    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
-    in place after every update; needs the vllm extra, see README)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 8
@@ -192,16 +139,6 @@ class Args:
     success_ema: float = 0.3
     """estimated mode: per-problem success rate p <- (1 - ema) p + ema s/G (first observation: p = s/G)"""
 
-    # Evaluation
-    eval_every: int = 50
-    """evaluate every N steps (0: only before and after training)"""
-    num_eval_problems: int = 200
-    """held-out problems per evaluation"""
-    eval_samples: int = 4
-    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
-    eval_pass_k: int = 4
-    """k of the logged eval/pass_at_k"""
-
     # Filled in at runtime
     batch_size: int = 0
     """rollouts per step per rank = num_prompts * group_size"""
@@ -227,44 +164,46 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: f
     """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
     adv_B1 = adv_B.unsqueeze(1)
-    unclipped = -ratio_BC * adv_B1
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_B1
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
-def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
-    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
-    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
+              max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch (its tokens in the loss,
+    its sequences with at least one such token, all its sequences), so that summing micro-batch gradients gives the
+    mini-batch gradient whatever the split."""
     summed_B = (token_loss_BC * mask_BC).sum(1)
     if mode == "seq_sum":  # differs from grpo.py: this extra mode (the RLOO paper's); the others are grpo.py's
         return summed_B.sum() / max(num_seqs, 1.0)
     if mode == "token_mean":
         return summed_B.sum() / max(num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
-        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_nonempty, 1.0)
     if mode == "constant":
         return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """RLOO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
-    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(pg_BC)
     with torch.no_grad():
-        log_ratio = logp_BC - old_logp_BC
+        log_ratio_BC = logp_BC - old_logp_BC
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": loss.item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
-            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
         }
     return loss, stats
@@ -325,11 +264,11 @@ def sample_batch(cur: Curriculum, problems: list, n: int, probs: list) -> tuple[
 
 def arm_feedback(signal_B: torch.Tensor, arm_B: torch.Tensor, num_arms: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum and count of the per-rollout signal of each arm (every rollout counts, zero advantages included)."""
-    sums_A = torch.zeros(num_arms, dtype=torch.float64).index_add_(0, arm_B, signal_B.double())
-    return sums_A, torch.bincount(arm_B, minlength=num_arms).double()
+    sums_M = torch.zeros(num_arms, dtype=torch.float64).index_add_(0, arm_B, signal_B.double())
+    return sums_M, torch.bincount(arm_B, minlength=num_arms).double()
 
 
-def td_update(q: list, sums_A: torch.Tensor, counts_A: torch.Tensor, alpha: float) -> list:
+def td_update(q: list, sums_M: torch.Tensor, counts_M: torch.Tensor, alpha: float) -> list:
     """Q(c) <- alpha r(c) + (1 - alpha) Q(c) with r(c) = sum / count, for arms in the batch with a finite r(c).
 
     >>> td_update([0.0, 1.0, 0.5], torch.tensor([2.0, 0.0, float("nan")]), torch.tensor([4.0, 0.0, 2.0]), 0.5)
@@ -337,8 +276,8 @@ def td_update(q: list, sums_A: torch.Tensor, counts_A: torch.Tensor, alpha: floa
     """
     new = list(q)
     for c in range(len(q)):
-        if counts_A[c] > 0:
-            r = (sums_A[c] / counts_A[c]).item()
+        if counts_M[c] > 0:
+            r = (sums_M[c] / counts_M[c]).item()
             if math.isfinite(r):
                 new[c] = alpha * r + (1 - alpha) * q[c]
     return new
@@ -370,84 +309,65 @@ def make_curriculum(problems: list, args: Args, seed: int) -> Curriculum:
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
     rank, world, device = init_distributed(args.device)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
-    args.batch_size = args.num_prompts * args.group_size
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    run_dir = args.resume.rstrip("/") or os.path.join(
-        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
-
+    run_dir = start_run(args, rank)
     tokenizer = load_tokenizer(args.model_name)
-    fields_ = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                   answer_field=args.answer_field, solution_field=args.solution_field)
-    train_problems = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed,
-                                   **fields_)
-    eval_problems = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels,
-                                  args.num_eval_problems, args.seed, **fields_)
+    train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = make_curriculum(train_problems, args, args.seed + rank)
     train_levels = sorted({p.level for p in train_problems})
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
-
-    start_step, first_eval = 0, None
-    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
-        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
-        start_step, first_eval = state["step"], state.get("first_eval")
-        engine.sync_weights(model)
+    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
         return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
                         args.temperature, args.eval_pass_k, args.max_prompt_tokens)
 
+    first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
-        logger.log(start_step, first_eval)
-    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
-               initial=start_step, total=args.total_steps)
+        logger.log(state["step"], first_eval)
+    bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # ALGO LOGIC: 1. SEC batch: an arm per prompt slot from softmax(Q / tau), a problem uniformly from it
         probs = arm_probs(sampler.q, [len(a) for a in sampler.arms], args.sec_tau, args.curriculum == "uniform")
         arm_P, problems = sample_batch(sampler, train_problems, args.num_prompts, probs)
         # 1. Rollouts: G completions for each of num_prompts prompts
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        t0 = time.time()
-        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
-        t_gen = time.time() - t0
+        with timed(times, "generate"):
+            rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                       max_new_tokens=args.max_new_tokens,
+                                       return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the verifier
-        t0 = time.time()
-        group_problems = [p for p in problems for _ in range(args.group_size)]
-        correct_B = torch.tensor(score(rollouts.texts, group_problems))
-        rewards_B = correct_B.clone()
-        if args.format_reward_weight:
-            rewards_B += args.format_reward_weight * torch.tensor(
-                [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            group_problems = [p for p in problems for _ in range(args.group_size)]
+            correct_B = torch.tensor(score(rollouts.texts, group_problems))
+            rewards_B = correct_B.clone()
+            if args.format_reward_weight:
+                rewards_B += args.format_reward_weight * torch.tensor(
+                    [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
 
         # 3. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly
-        t0 = time.time()
         mask_BC = rollouts.completion_mask_BC.clone()
-        needs_old = (args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
-                     or rollouts.sampler_logp_BC is not None)
-        old_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size) if needs_old else None
-        mismatch = ({} if rollouts.sampler_logp_BC is None else  # a separate sampler (vllm) against the trainer
-                    sampler_mismatch(old_logp_BC, rollouts.sampler_logp_BC, rollouts.completion_mask_BC))
-        ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
-                       if ref_model is not None else None)
-        t_logp = time.time() - t0
+        with timed(times, "logprobs"):
+            needs_old = (args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
+                         or rollouts.sampler_logp_BC is not None)
+            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                           if needs_old else None)
+            mismatch = ({} if rollouts.sampler_logp_BC is None else  # a separate sampler (vllm) against the trainer
+                        sampler_mismatch(old_logp_BC, rollouts.sampler_logp_BC, rollouts.completion_mask_BC))
+            ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                           if ref_model is not None else None)
 
         # ALGO LOGIC: 4. leave-one-out advantages (all-equal groups get exactly 0), KL folded into the reward
         G = args.group_size
@@ -464,11 +384,11 @@ def main(args: Args) -> dict:
         arm_B = torch.tensor(arm_P).repeat_interleave(G)
         signal_B = {"advantage": adv_B.abs(), "reward": rewards_B, "success": correct_B}[args.arm_signal]
         num_arms = len(sampler.arms)
-        sums_A, counts_A = arm_feedback(signal_B, arm_B, num_arms)
-        abs_adv_A = arm_feedback(adv_B.abs(), arm_B, num_arms)[0]
-        success_A = arm_feedback(correct_B, arm_B, num_arms)[0]
-        sums_A, counts_A, abs_adv_A, success_A = all_reduce_sum(torch.stack([sums_A, counts_A, abs_adv_A, success_A]))
-        sampler.q = td_update(sampler.q, sums_A, counts_A, args.sec_alpha)
+        sums_M, counts_M = arm_feedback(signal_B, arm_B, num_arms)
+        abs_adv_M = arm_feedback(adv_B.abs(), arm_B, num_arms)[0]
+        success_M = arm_feedback(correct_B, arm_B, num_arms)[0]
+        sums_M, counts_M, abs_adv_M, success_M = all_reduce_sum(torch.stack([sums_M, counts_M, abs_adv_M, success_M]))
+        sampler.q = td_update(sampler.q, sums_M, counts_M, args.sec_alpha)
         sampler.steps += 1
         if args.curriculum == "estimated":  # difficulty from the rewards already computed: no extra rollouts
             update_success_rates(sampler.rate, [p.uid for p in problems], correct_B.view(-1, G).mean(1).tolist(),
@@ -477,56 +397,44 @@ def main(args: Args) -> dict:
                 sampler.arms = bucket_arms(train_problems, sampler.rate, args.num_buckets)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        t0 = time.time()
-        sums, grad_norms = {}, []
-        for _ in range(args.num_iterations):
-            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
-            for mb in order.split(args.minibatch_size):
-                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
-                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
-                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
-                norm = {"tokens": norm_t[0].item(),
-                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
-                optimizer.zero_grad(set_to_none=True)
-                for rows in mb.split(args.micro_batch_size):
-                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
-                    loss.backward()
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                all_reduce_grads(model)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
-        engine.sync_weights(model)
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            sums, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                for mb in order.split(args.minibatch_size):
+                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
+                    optimizer.zero_grad(set_to_none=True)
+                    for rows in mb.split(args.micro_batch_size):
+                        loss, stats = micro_batch_loss(model, batch, rows, args, counts)
+                        loss.backward()
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                    optimizer.step()
+                    lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                    scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+            engine.sync_weights(model)
 
-        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        # TRY NOT TO MODIFY: metrics (names documented in README.md); loss/* are means over optimizer steps, the
+        # other sums are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
-        gen_tokens = rollouts.lengths_B.sum().item()
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": seq_kl_B.mean().item(),
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
-            "policy/entropy": sums["policy/entropy"] / n_tok,
+            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
+            "loss/kl": seq_kl_B.mean().item(),
             "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
-            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
-            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         for c, name in enumerate(sampler.names):  # SEC: where the bandit puts its mass, and what each arm returns
-            n = counts_A[c].item()
+            n = counts_M[c].item()
             metrics.update({f"sec/q/arm_{name}": sampler.q[c], f"sec/prob/arm_{name}": probs[c],
                             f"sec/count/arm_{name}": n / G, f"sec/size/arm_{name}": float(len(sampler.arms[c])),
-                            f"sec/mean_abs_adv/arm_{name}": abs_adv_A[c].item() / n if n else float("nan"),
-                            f"sec/success/arm_{name}": success_A[c].item() / n if n else float("nan")})
+                            f"sec/mean_abs_adv/arm_{name}": abs_adv_M[c].item() / n if n else float("nan"),
+                            f"sec/success/arm_{name}": success_M[c].item() / n if n else float("nan")})
         metrics.update({f"sec/level_frac/level_{lv}": sum(p.level == lv for p in problems) / len(problems)
                         for lv in train_levels})
         metrics.update(mismatch)
@@ -538,13 +446,8 @@ def main(args: Args) -> dict:
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
 
-    final_eval = run_eval()
-    logger.log(args.total_steps, final_eval)
-    logger.close()
+    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
     if rank == 0:
-        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
-        print(f"held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
-              f"run folder {run_dir}")
         per_level = [k for k in final_eval if k.startswith("eval/greedy_accuracy/level_")]
         if per_level:
             print("per level: " + ", ".join(

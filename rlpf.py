@@ -27,13 +27,13 @@ its affine drift recalibration (references are re-timed every step instead), dyn
     python rlpf.py --reward correctness                     # RLVR ablation (also: dmc, speed_ungated)
     python rlpf.py --model-name Qwen/Qwen2.5-Coder-0.5B-Instruct --dataset my_tasks.jsonl --device cuda \\
         --dtype bfloat16 --max-new-tokens 512 --num-prompts 16 --group-size 8 --learning-rate 1e-6
+
+Shapes: B rows (= P tasks x G group), T tokens per row, C completion tokens.
 """
 
 import copy
 import json
 import os
-import random
-import resource
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -41,48 +41,23 @@ from typing import Literal
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 from common import sandbox
+from common.args import RunArgs
 from common.code_tasks import (CODE_MODEL, TASKS, ensure_code_model, extract_program, judge, load_tasks,
                                render_code_prompt)
 from common.data import PromptSampler, encode_prompts
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
-from common.logger import RunLogger, check_run_args, open_checkpoint, resume, save_checkpoint
+from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
+from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
+from common.run import make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics, start_run, step_bar, timed
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(RunArgs):  # common/args.py: run folder, resume, logging, device
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (each rank adds its rank)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
-    save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the policy weights"""
-    fsdp: bool = False
-    """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
-    root; reference model too); without it every rank holds the whole model (docs/fsdp.md)"""
-    fsdp_mixed_precision: bool = False
-    """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
 
     # Model and data
     model_name: str = CODE_MODEL
@@ -276,13 +251,13 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
 
 def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d = logp_BC - ref_logp_BC
+    d_BC = logp_BC - ref_logp_BC
     if estimator == "k1":
-        return d
+        return d_BC
     if estimator == "k2":
-        return 0.5 * d**2
+        return 0.5 * d_BC**2
     if estimator == "k3":
-        return torch.expm1(-d) + d
+        return torch.expm1(-d_BC) + d_BC
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -290,30 +265,32 @@ def clipped_surrogate(logp_BC, old_logp_BC, adv_B, clip_low: float, clip_high: f
     """Per-token loss -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), and where the clip is active."""
     ratio_BC = torch.exp(logp_BC - old_logp_BC)
     adv_B1 = adv_B.unsqueeze(1)
-    unclipped = -ratio_BC * adv_B1
-    clipped = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    unclipped_BC = -ratio_BC * adv_B1
+    clipped_BC = -ratio_BC.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    return torch.maximum(unclipped_BC, clipped_BC), (clipped_BC > unclipped_BC).float()
 
 
-def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int):
-    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch,
-    so that summing micro-batch gradients gives the mini-batch gradient whatever the split."""
+def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty: float, num_seqs: float,
+              max_new_tokens: int):
+    """Reduce per-token losses of one micro-batch with normalisers of the whole mini-batch (its tokens in the loss,
+    its sequences with at least one such token, all its sequences), so that summing micro-batch gradients gives the
+    mini-batch gradient whatever the split."""
     summed_B = (token_loss_BC * mask_BC).sum(1)
     if mode == "token_mean":
         return summed_B.sum() / max(num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
-        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_seqs, 1.0)
+        return (summed_B / mask_BC.sum(1).clamp(min=1)).sum() / max(num_nonempty, 1.0)
     if mode == "constant":
         return summed_B.sum() / max(num_seqs * max_new_tokens, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: dict):
+def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
+    ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
-    logp_BC, entropy_BC = completion_logprobs(model, ids, attn, batch["prompt_len"], args.temperature,
+    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
@@ -331,14 +308,14 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, norm: d
     if args.beta > 0:
         kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
         token_loss_BC = pg_BC + args.beta * kl_BC
-    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, norm["tokens"], norm["seqs"], args.max_new_tokens)  # noqa
+    agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(token_loss_BC)
     with torch.no_grad():
-        log_ratio = logp_BC - old_logp_BC
+        log_ratio_BC = logp_BC - old_logp_BC
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
-            "policy/approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask_BC).sum().item(),
+            "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
             **sampler_stats,
         }
@@ -436,18 +413,11 @@ def score_file(args: Args) -> dict:
 def main(args: Args) -> dict:
     if args.score_file:
         return score_file(args)
-    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, optimizer, resume)
     rank, world, device = init_distributed(args.device)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
-    args.batch_size = args.num_prompts * args.group_size
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    run_dir = args.resume.rstrip("/") or os.path.join(
-        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
-
+    run_dir = start_run(args, rank)
     model_path = ensure_code_model() if args.model_name == CODE_MODEL else args.model_name
     tokenizer = load_tokenizer(model_path)
     train_tasks = load_code_tasks(args)
@@ -456,46 +426,38 @@ def main(args: Args) -> dict:
     model = load_model(model_path, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_tasks, args.seed + rank)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
-
-    start_step, first_eval = 0, None
-    if ckpt:  # weights, optimizer, scheduler, and this rank's own RNG states and sampler position
-        state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
-        start_step, first_eval = state["step"], state.get("first_eval")
-        engine.sync_weights(model)
+    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
     def run_eval():
         return evaluate_code(engine, tokenizer, eval_tasks, args)
 
+    first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
-        logger.log(start_step, first_eval)
-    bar = tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
-               initial=start_step, total=args.total_steps)
+        logger.log(state["step"], first_eval)
+    bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:
-        t_step = time.time()
+        t_step, times = time.time(), {}
         # 1. Rollouts: G programs for each of num_prompts tasks
         tasks = sampler.next(args.num_prompts)
         prompt_ids = encode_prompts(tokenizer, [render_prompt(t, tokenizer) for t in tasks])
-        t0 = time.time()
-        rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
-        t_gen = time.time() - t0
+        with timed(times, "generate"):
+            rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                       max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the sandbox: run, check and time every program against the re-timed references
-        t0 = time.time()
-        group_tasks = [t for t in tasks for _ in range(args.group_size)]
-        programs = [extract_program(x, t.entry) for x, t in zip(rollouts.texts, group_tasks)]
-        judged, timing_stats = judge_programs(group_tasks, programs, args)
-        rewards_B = torch.tensor([program_reward(args.reward, v.status, v.runtime, t_b, t_r, args.rbr_tolerance)
-                                  for v, t_b, t_r in judged])
-        correct_B = torch.tensor([float(v.status == "correct") for v, _, _ in judged])
-        t_score = time.time() - t0
+        with timed(times, "score"):
+            group_tasks = [t for t in tasks for _ in range(args.group_size)]
+            programs = [extract_program(x, t.entry) for x, t in zip(rollouts.texts, group_tasks)]
+            judged, timing_stats = judge_programs(group_tasks, programs, args)
+            rewards_B = torch.tensor([program_reward(args.reward, v.status, v.runtime, t_b, t_r, args.rbr_tolerance)
+                                      for v, t_b, t_r in judged])
+            correct_B = torch.tensor([float(v.status == "correct") for v, _, _ in judged])
 
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
@@ -507,63 +469,48 @@ def main(args: Args) -> dict:
         # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
         # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
         # compared with, so that comparison costs no extra pass.
-        t0 = time.time()
-        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
-        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
-                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
-                     sampler_logp_BC=rollouts.sampler_logp_BC,
-                     old_logp_BC=batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
-                     if needs_old else None,
-                     ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
-                     if ref_model is not None else None)
-        t_logp = time.time() - t0
+        with timed(times, "logprobs"):
+            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                         prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
+                         sampler_logp_BC=rollouts.sampler_logp_BC,
+                         old_logp_BC=batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                         if needs_old else None,
+                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                         if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        t0 = time.time()
-        sums, grad_norms = {}, []
-        for _ in range(args.num_iterations):
-            order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
-            for mb in order.split(args.minibatch_size):
-                # normalisers of the whole mini-batch, summed over ranks, fixed before accumulation
-                norm_t = all_reduce_sum(torch.tensor([mask_BC[mb].sum().item(),
-                                                      float((mask_BC[mb].sum(1) > 0).sum()), float(len(mb))]))
-                norm = {"tokens": norm_t[0].item(),
-                        "seqs": norm_t[1].item() if args.loss_agg == "seq_mean_token_mean" else norm_t[2].item()}
-                optimizer.zero_grad(set_to_none=True)
-                for rows in mb.split(args.micro_batch_size):
-                    loss, stats = micro_batch_loss(model, batch, rows, args, norm)
-                    loss.backward()
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                all_reduce_grads(model)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
-        engine.sync_weights(model)
-        t_update = time.time() - t0
+        with timed(times, "update"):
+            sums, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                for mb in order.split(args.minibatch_size):
+                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
+                    optimizer.zero_grad(set_to_none=True)
+                    for rows in mb.split(args.micro_batch_size):
+                        loss, stats = micro_batch_loss(model, batch, rows, args, counts)
+                        loss.backward()
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
+                    optimizer.step()
+                    lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                    scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+            engine.sync_weights(model)
 
-        # TRY NOT TO MODIFY: metrics (names documented in README.md)
+        # TRY NOT TO MODIFY: metrics (names documented in README.md); loss/* are means over optimizer steps, the
+        # other sums (the vllm sampler's rollout/* included) are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
-        gen_tokens = rollouts.lengths_B.sum().item()
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(), **code_metrics(judged, "train/"), **timing_stats,
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            "loss/policy": sums["loss/policy"] / n_updates, "loss/kl": sums["loss/kl"] / n_updates,
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "policy/approx_kl": sums["policy/approx_kl"] / n_tok,
-            "policy/entropy": sums["policy/entropy"] / n_tok,
+            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
             "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
-            "rollout/completion_len": rollouts.lengths_B.float().mean().item(),
-            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
-            "perf/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": args.num_iterations * rollouts.attention_mask_BT.sum().item() / max(t_update, 1e-9),
-            "time/generate": t_gen, "time/score": t_score, "time/logprobs": t_logp, "time/update": t_update,
-            "perf/peak_mem_gb": (torch.cuda.max_memory_allocated() if device.startswith("cuda")
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+            **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
-        metrics.update({k: v / n_tok for k, v in sums.items() if k.startswith("rollout/")})  # vllm sampler only
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())

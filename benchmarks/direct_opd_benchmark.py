@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 import direct_opd  # noqa: E402
 from common.logger import read_metrics  # noqa: E402
+from common.testbed import ensure_testbed_teacher_pair  # noqa: E402
 
 METHODS = {  # name -> (label, direct_opd.py flags); "swapped" gets the built post-RL teacher's folder at run time
     "direct": ("direct", ["--reward", "direct"]),
@@ -109,7 +110,7 @@ def main(bench: Bench) -> list:
     for m in bench.methods:
         label, flags = METHODS[m]
         if m == "swapped":  # the built post-RL teacher as pi_T_pre, the pre-RL one as pi_T_post
-            flags = flags + ["--teacher-pre", direct_opd.build_teacher_post(direct_opd.Args(), world=1)]
+            flags = flags + ["--teacher-pre", ensure_testbed_teacher_pair()[1]]
         methods.append((m, label, flags))
     for seed in bench.seeds:
         for key, name, extra in methods:
@@ -120,7 +121,7 @@ def main(bench: Bench) -> list:
     text = table(results)
     with open(bench.report, "w") as f:
         f.write(f"# Direct-OPD benchmark (testbed level 3: testbed-strong student, testbed-weak pair before/after "
-                f"GRPO)\n\n`python benchmarks/direct_opd_benchmark.py --steps {bench.steps} "
+                f"rejection-sampling fine-tuning)\n\n`python benchmarks/direct_opd_benchmark.py --steps {bench.steps} "
                 f"--seeds {' '.join(map(str, bench.seeds))} --num-prompts {bench.num_prompts} "
                 f"--group-size {bench.group_size} --learning-rate {bench.learning_rate}"
                 f" --methods {' '.join(bench.methods)}`\n\n{text}\n")

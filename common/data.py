@@ -159,17 +159,15 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
     return problems[:num_problems] if num_problems else problems
 
 
-def render_prompt(problem: Problem, tokenizer, hints=(), solution_prefix: str | None = None,
-                  template: str = MATH_TEMPLATE) -> str:
+def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", template: str = MATH_TEMPLATE) -> str:
     """The text the policy sees. Testbed problems use the compact format the testbed models
-    were trained on; others use `template` and the tokenizer's chat template when it has one."""
+    were trained on; others use `template`, then `suffix` (text a trainer appends, e.g. oc_grpo.py's
+    partial reference solution), inside the tokenizer's chat template when it has one."""
     if problem.task == "testbed":
-        return render_testbed_prompt(problem.question, hints, solution_prefix)
+        return render_testbed_prompt(problem.question, hints)
     # hints in KnowRL's format: "{problem}\n\n## Hint\n{one per line}\n\nPlease reason step by step, ..."
     question = problem.question + ("\n\n## Hint\n" + "\n".join(hints) + "\n" if hints else "")
-    text = template.format(question=question)
-    if solution_prefix is not None:
-        text += f"\n\nPartial reference solution: {solution_prefix}"
+    text = template.format(question=question) + suffix
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)

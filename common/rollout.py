@@ -1,18 +1,22 @@
 """Rollout generation and per-token log-probs.
 
-Layout of every batch (B rows): the prompt left-padded to P columns, then the completion
-right-padded to C columns, so completion token t of every row sits at column P + t:
+Layout of every batch (B rows): the prompt left-padded to L columns, then the completion
+right-padded to C columns, so completion token t of every row sits at column L + t:
 
-    input_ids_BT      [pad pad x1 x2 x3 | y1 y2 eos pad]     T = P + C
+    input_ids_BT      [pad pad x1 x2 x3 | y1 y2 eos pad]     T = L + C
     attention_mask_BT [ 0   0  1  1  1  |  1  1  1   0 ]
     completion_mask_BC                   [ 1  1  1   0 ]     (first eos included)
 
 Left padding shifts real tokens right, so position ids are passed explicitly
 (cumsum of the attention mask) whenever the trainer recomputes log-probs.
 
+Shapes: B rows, U distinct prompts, L prompt columns, C completion columns, T = L + C, V vocabulary
+(the trainers' P is a number of prompts, not a length).
+
 A rollout engine is anything with `generate(prompt_ids, n, ...) -> Rollouts` and
-`sync_weights(model)`. `HFEngine` samples from the training model itself with
-`model.generate`; another backend (vLLM) only has to return the same `Rollouts`.
+`sync_weights(model)`. `HFEngine` samples from the training model itself, with its own
+KV-cache sampling loop (backend 'hf') or with `model.generate` (backend 'hf_generate');
+`VLLMEngine` (backend 'vllm') is a colocated vLLM engine that returns the same `Rollouts`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class Rollouts:
     completion_mask_BC: torch.Tensor
     """float, 1 on generated tokens up to and including the first eos"""
     prompt_len: int
-    """P: the completion of every row starts at column P"""
+    """L: the completion of every row starts at column L"""
     texts: list
     """decoded completions (special tokens stripped)"""
     lengths_B: torch.Tensor
@@ -88,7 +92,7 @@ def completion_mask(completion_ids_BC: torch.Tensor, eos_id: int) -> tuple[torch
     return (~after_eos).float(), is_eos.any(-1)
 
 
-def finish_rollouts(prompt_ids_BP, prompt_mask_BP, completion_ids_BC, tokenizer, sampler_logp_BC=None) -> Rollouts:
+def finish_rollouts(prompt_ids_BL, prompt_mask_BL, completion_ids_BC, tokenizer, sampler_logp_BC=None) -> Rollouts:
     """Assemble a `Rollouts` from left-padded prompts and raw sampled completions."""
     mask_BC, has_eos_B = completion_mask(completion_ids_BC, tokenizer.eos_token_id)
     completion_ids_BC = completion_ids_BC.masked_fill(mask_BC == 0, tokenizer.pad_token_id)
@@ -96,10 +100,10 @@ def finish_rollouts(prompt_ids_BP, prompt_mask_BP, completion_ids_BC, tokenizer,
     if sampler_logp_BC is not None:
         sampler_logp_BC = sampler_logp_BC * mask_BC
     return Rollouts(
-        input_ids_BT=torch.cat([prompt_ids_BP, completion_ids_BC], 1),
-        attention_mask_BT=torch.cat([prompt_mask_BP, mask_BC.long()], 1),
+        input_ids_BT=torch.cat([prompt_ids_BL, completion_ids_BC], 1),
+        attention_mask_BT=torch.cat([prompt_mask_BL, mask_BC.long()], 1),
         completion_mask_BC=mask_BC,
-        prompt_len=prompt_ids_BP.shape[1],
+        prompt_len=prompt_ids_BL.shape[1],
         texts=texts,
         lengths_B=mask_BC.sum(-1).long(),
         truncated_B=~has_eos_B,
@@ -176,7 +180,7 @@ class HFEngine:
     ) -> Rollouts:
         """`n` completions per prompt, rows grouped as [p0 x n, p1 x n, ...]."""
         tok, model = self.tokenizer, self.model
-        ids_UP, mask_UP = left_pad(prompt_ids, tok.pad_token_id)
+        ids_UL, mask_UL = left_pad(prompt_ids, tok.pad_token_id)
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
@@ -184,7 +188,7 @@ class HFEngine:
         per_chunk = max(1, self.max_batch // n)
         with unsharded(model):  # FSDP: layers gathered once for the whole generation (no-op for a plain model)
             for s in range(0, len(prompt_ids), per_chunk):
-                ids, mask = ids_UP[s : s + per_chunk].to(device), mask_UP[s : s + per_chunk].to(device)
+                ids, mask = ids_UL[s : s + per_chunk].to(device), mask_UL[s : s + per_chunk].to(device)
                 sample = self._sample_loop if self.loop else self._generate
                 comp, lp = sample(ids, mask, n, temperature, top_p, max_new_tokens, greedy, return_logprobs)
                 completions.append(comp.cpu())
@@ -193,21 +197,21 @@ class HFEngine:
         width = max(c.shape[1] for c in completions)
         comp_BC = torch.cat([F.pad(c, (0, width - c.shape[1]), value=tok.pad_token_id) for c in completions])
         logp_BC = torch.cat([F.pad(x, (0, width - x.shape[1])) for x in logps]) if return_logprobs else None
-        return finish_rollouts(ids_UP.repeat_interleave(n, 0), mask_UP.repeat_interleave(n, 0), comp_BC, tok, logp_BC)
+        return finish_rollouts(ids_UL.repeat_interleave(n, 0), mask_UL.repeat_interleave(n, 0), comp_BC, tok, logp_BC)
 
-    def _sample_loop(self, ids_UP, mask_UP, n, temperature, top_p, max_new_tokens, greedy, return_logprobs):
+    def _sample_loop(self, ids_UL, mask_UL, n, temperature, top_p, max_new_tokens, greedy, return_logprobs):
         tok, model = self.tokenizer, self.model
-        out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=position_ids(mask_UP), use_cache=True,
+        out = model(input_ids=ids_UL, attention_mask=mask_UL, position_ids=position_ids(mask_UL), use_cache=True,
                     logits_to_keep=1)
         cache = out.past_key_values
         logits_BV = out.logits[:, -1]
         if n > 1:
-            if expand_cache(cache, torch.full((len(ids_UP),), n, device=ids_UP.device)):
+            if expand_cache(cache, torch.full((len(ids_UL),), n, device=ids_UL.device)):
                 logits_BV = logits_BV.repeat_interleave(n, 0)
             else:  # unusual cache type: prefill every row instead
-                return self._sample_loop(ids_UP.repeat_interleave(n, 0), mask_UP.repeat_interleave(n, 0), 1,
+                return self._sample_loop(ids_UL.repeat_interleave(n, 0), mask_UL.repeat_interleave(n, 0), 1,
                                          temperature, top_p, max_new_tokens, greedy, return_logprobs)
-        attn_BT = mask_UP.repeat_interleave(n, 0)
+        attn_BT = mask_UL.repeat_interleave(n, 0)
         next_pos_B = attn_BT.sum(1)
         done_B = torch.zeros(len(attn_BT), dtype=torch.bool, device=attn_BT.device)
         tokens, logps = [], []
@@ -238,7 +242,7 @@ class HFEngine:
             logp_BC = torch.zeros(len(attn_BT), len(tokens))
         return torch.stack(tokens, 1), logp_BC
 
-    def _generate(self, ids_UP, mask_UP, n, temperature, top_p, max_new_tokens, greedy, return_logprobs):
+    def _generate(self, ids_UL, mask_UL, n, temperature, top_p, max_new_tokens, greedy, return_logprobs):
         from transformers import GenerationConfig, LogitsProcessorList
 
         tok = self.tokenizer
@@ -253,10 +257,10 @@ class HFEngine:
         # custom processors run before temperature and top-p: the guard, then the padded head rows to -inf
         processors, vocab = [self.logits_guard] if self.logits_guard else [], len(tok)
         processors.append(lambda input_ids, scores: mask_padded_vocab(scores, vocab))
-        out = self.model.generate(input_ids=ids_UP.repeat_interleave(n, 0),
-                                  attention_mask=mask_UP.repeat_interleave(n, 0), generation_config=config,
+        out = self.model.generate(input_ids=ids_UL.repeat_interleave(n, 0),
+                                  attention_mask=mask_UL.repeat_interleave(n, 0), generation_config=config,
                                   logits_processor=LogitsProcessorList(processors))
-        comp = out.sequences[:, ids_UP.shape[1] :]
+        comp = out.sequences[:, ids_UL.shape[1] :]
         if not return_logprobs:
             return comp, None
         # scores are the processed logits (after temperature / top-p)
@@ -361,12 +365,14 @@ class VLLMEngine:
             if return_logprobs:
                 logp_BC[i, : len(c.token_ids)] = torch.tensor(
                     [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        ids_BP, mask_BP = left_pad([p for p in prompt_ids for _ in range(n)], tok.pad_token_id)
-        return finish_rollouts(ids_BP, mask_BP, comp_BC, tok, logp_BC)
+        ids_BL, mask_BL = left_pad([p for p in prompt_ids for _ in range(n)], tok.pad_token_id)
+        return finish_rollouts(ids_BL, mask_BL, comp_BC, tok, logp_BC)
 
 
 def make_engine(backend: str, model, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.3):
-    """The rollout engine for `--rollout-backend` ('hf', 'hf_generate' or 'vllm'); every trainer calls this once."""
+    """The rollout engine for `--rollout-backend` ('hf', 'hf_generate' or 'vllm'). Every trainer but ppo_slm.py
+    (which samples through HFEngine with its logits guard, and has no --rollout-backend) calls this once;
+    mada_rl.py offers 'hf' and 'hf_generate' only."""
     if backend in ("hf", "hf_generate"):
         return HFEngine(model, tokenizer, loop=backend == "hf")
     if backend == "vllm":
@@ -374,34 +380,36 @@ def make_engine(backend: str, model, tokenizer, seed: int = 0, gpu_memory_utiliz
     raise SystemExit(f"error: unknown rollout backend {backend!r}; choose 'hf', 'hf_generate' or 'vllm'")
 
 
-def prompt_groups(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_groups(prompt_ids_BL: torch.Tensor, prompt_mask_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """First row and size of each run of adjacent rows with the same prompt.
 
     >>> prompt_groups(torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2]]), torch.ones(4, 2))
     (tensor([0, 2, 3]), tensor([2, 1, 1]))
     """
-    same_BP = (prompt_ids_BP[1:] == prompt_ids_BP[:-1]) & (prompt_mask_BP[1:] == prompt_mask_BP[:-1])
-    new_run = torch.cat([torch.ones(1, dtype=torch.bool, device=same_BP.device), ~same_BP.all(1)])
+    same_BL = (prompt_ids_BL[1:] == prompt_ids_BL[:-1]) & (prompt_mask_BL[1:] == prompt_mask_BL[:-1])
+    new_run = torch.cat([torch.ones(1, dtype=torch.bool, device=same_BL.device), ~same_BL.all(1)])
     starts_U = new_run.nonzero().squeeze(1)
     counts_U = torch.diff(torch.cat([starts_U, torch.tensor([len(new_run)], device=starts_U.device)]))
     return starts_U, counts_U
 
 
-def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int) -> torch.Tensor:
-    """Logits that predict completion tokens P..T-1 (from positions P-1..T-2), shape B x C x V.
+def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, share_prompt: bool = False) -> torch.Tensor:
+    """Logits that predict completion tokens L..T-1 (from positions L-1..T-2), shape B x C x V, L = prompt_len.
+    Only the completion positions reach the LM head (`logits_to_keep`), so the prompt never costs vocabulary-sized
+    logits.
 
-    Rows of a group share their prompt. When they sit next to each other (as every engine returns
-    them), each distinct prompt goes through the model once and its KV cache is repeated for the
-    group's rows, so the prompt costs 1/G of a full forward and backward; gradients through the
-    repeated cache sum over the group, which is exactly what the full forward would give. Only
-    the completion positions reach the LM head (`logits_to_keep`), so the prompt never costs
-    vocabulary-sized logits.
+    share_prompt=True: rows of a group share their prompt; when they sit next to each other (as every engine
+    returns them) and there are at least two rows per prompt on average, each distinct prompt goes through the
+    model once and its KV cache is repeated for the group's rows, so the prompt costs 1/G of a full forward and
+    backward. Gradients through the repeated cache sum over the group, as the full forward's do, but the result is
+    not bit-identical to the plain forward (the attention is computed in another order: differences of ~1e-7), so
+    it is off by default and every trainer uses the plain forward.
     """
     B, T = input_ids_BT.shape
     C = T - prompt_len
     pos_BT = position_ids(attention_mask_BT)
     starts_U, counts_U = prompt_groups(input_ids_BT[:, :prompt_len], attention_mask_BT[:, :prompt_len])
-    if agree(len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows per prompt on average: share it
+    if agree(share_prompt and len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows per prompt on average
         # (agree: under FSDP every rank must run the same number of forwards, each a collective)
         head = model(input_ids=input_ids_BT[starts_U, :prompt_len], attention_mask=attention_mask_BT[starts_U, :prompt_len],
                      position_ids=pos_BT[starts_U, :prompt_len], use_cache=True, logits_to_keep=1)
@@ -419,7 +427,7 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int) -
 
 def completion_logprobs(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float = 1.0,
                         with_entropy: bool = False):
-    """Log-probs of the completion tokens (columns P..T-1) at the sampling temperature.
+    """Log-probs of the completion tokens (columns L..T-1, L the prompt length) at the sampling temperature.
 
     Returns (logp_BC, entropy_BC or None); entropy is computed without gradient.
     """
@@ -489,8 +497,8 @@ def split_completions(rollouts: Rollouts) -> list[tuple[list[int], str, bool]]:
 
 def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int = 0) -> Rollouts:
     """Rows [prompt_i | completion_i], completions given as `split_completions` returns them: prompts left-padded
-    to P, completions right-padded to `width` (default: the longest), so token t of a completion sits at column
-    P + t whichever prompt it is attached to (the prompt it was sampled from, a hinted one, or the plain one).
+    to L, completions right-padded to `width` (default: the longest), so token t of a completion sits at column
+    L + t whichever prompt it is attached to (the prompt it was sampled from, a hinted one, or the plain one).
     Used to train or score a completion under another context than the one that produced it.
 
     >>> r = attach([[7, 8], [9]], [([1, 2], "a", False), ([3], "b", True)], pad_id=0)
@@ -498,12 +506,12 @@ def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int 
     ([[7, 8, 1, 2], [0, 9, 3, 0]], [[1.0, 1.0], [1.0, 0.0]], 2)
     """
     width = width or max(len(c[0]) for c in completions)
-    ids_BP, mask_BP = left_pad(prompts, pad_id)
+    ids_BL, mask_BL = left_pad(prompts, pad_id)
     comp_BC = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask_BC = torch.zeros((len(prompts), width))
     for i, (ids, _, _) in enumerate(completions):
         comp_BC[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask_BC[i, : len(ids)] = 1.0
-    return Rollouts(torch.cat([ids_BP, comp_BC], 1), torch.cat([mask_BP, mask_BC.long()], 1), mask_BC,
-                    ids_BP.shape[1], [c[1] for c in completions], mask_BC.sum(1).long(),
+    return Rollouts(torch.cat([ids_BL, comp_BC], 1), torch.cat([mask_BL, mask_BC.long()], 1), mask_BC,
+                    ids_BL.shape[1], [c[1] for c in completions], mask_BC.sum(1).long(),
                     torch.tensor([c[2] for c in completions], dtype=torch.bool))

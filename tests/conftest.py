@@ -63,3 +63,46 @@ def wide_head_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def copy_alone(tmp_path):
+    """copy_alone("grpo.py") -> a fresh folder holding only that trainer and common/ (no tests, no other trainer),
+    to run it from as a user who copied just those would."""
+    import shutil
+
+    def copy(script: str) -> str:
+        folder = tmp_path / f"alone_{script[:-3]}"
+        folder.mkdir()
+        shutil.copy(os.path.join(ROOT, script), folder / script)
+        shutil.copytree(os.path.join(ROOT, "common"), folder / "common",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        return str(folder)
+
+    return copy
+
+
+def alone_env() -> dict:
+    """The environment for a trainer run from a copy_alone folder: nothing of this checkout on the import path."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def assert_flags_documented(Args) -> None:
+    """--help lists every field of Args, and every field has a docstring in the class that declares it (the
+    trainer's own Args or a common/args.py base): tyro prints it; a field without one shows only its type."""
+    import inspect
+    import io
+    from contextlib import redirect_stdout
+    from dataclasses import fields
+
+    import tyro
+
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        tyro.cli(Args, args=["--help"])
+    for f in fields(Args):
+        assert "--" + f.name.replace("_", "-") in out.getvalue(), f.name
+        owner = next(c for c in Args.__mro__ if f.name in getattr(c, "__annotations__", {}))
+        src = inspect.getsource(owner).splitlines()
+        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
+        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"

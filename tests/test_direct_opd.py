@@ -1,14 +1,11 @@
 """direct_opd.py: the top-K teacher-pair reward on hand-made logits, identical teachers do nothing, a real pair
-trains, the vocabulary check, the cached default teacher, and a subprocess smoke run."""
+trains, the vocabulary check, the cached default teacher pair, and a subprocess smoke run."""
 
-import io
 import json
 import math
 import os
 import subprocess
 import sys
-from contextlib import redirect_stdout
-from dataclasses import fields
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ import tyro
 
 import direct_opd
 from common.logger import read_metrics
+from conftest import alone_env, assert_flags_documented
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "4", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
@@ -50,16 +48,7 @@ def _weights(run_dir):
 
 
 def test_help_documents_every_flag():
-    out = io.StringIO()
-    with redirect_stdout(out), pytest.raises(SystemExit):
-        tyro.cli(direct_opd.Args, args=["--help"])
-    import inspect
-
-    src = inspect.getsource(direct_opd.Args).splitlines()
-    for f in fields(direct_opd.Args):
-        assert "--" + f.name.replace("_", "-") in out.getvalue(), f.name
-        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
-        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+    assert_flags_documented(direct_opd.Args)
 
 
 def test_topk_weights_and_teacher_logratio_on_hand_made_logits():
@@ -168,24 +157,40 @@ def test_mismatched_tokenizers_fail_fast_naming_the_culprit(tmp_path, tiny_model
     assert not [p for p in os.listdir(tmp_path) if p.startswith("direct_opd")]  # failed before any run folder
 
 
-def test_default_teacher_is_built_with_grpo_once_then_cached(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "cache"))
-    args = _args(tmp_path, "--teacher-pre", tiny_model_dir, "--teacher-grpo-steps", "1")
-    path = direct_opd.build_teacher_post(args, world=1)
-    meta = json.load(open(os.path.join(path, "TEACHER_DONE.json")))
-    assert meta["settings"]["steps"] == 1 and "eval/greedy_accuracy" in meta["after"]
-    assert [r["step"] for r in read_metrics(os.path.join(path, "grpo_metrics.jsonl")) if "reward/mean" in r] == [1]
-    stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
-    assert direct_opd.build_teacher_post(args, world=1) == path  # second call: no training
-    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
-    other = _args(tmp_path, "--teacher-pre", tiny_model_dir, "--teacher-grpo-steps", "2")
-    assert direct_opd.teacher_post_dir(other) != path  # keyed by the settings
+def test_default_teacher_pair_is_built_without_grpo_once_then_cached(tmp_path, weak_model_dir, monkeypatch):
+    """The demo pair comes from common.testbed (a short rejection-sampling fine-tuning of testbed-weak), not grpo.py."""
+    from common.models import load_model
+    from common.testbed import TEACHER_RFT, ensure_testbed_teacher_pair
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.symlink(weak_model_dir, cache / os.path.basename(weak_model_dir))  # the cached testbed-weak, not rebuilt
+    monkeypatch.setenv("TINYPOST_CACHE", str(cache))
+    recipe = {**TEACHER_RFT, "steps": 2, "eval_problems": 8}
+    assert ensure_testbed_teacher_pair(recipe, progress=False, build=False) is None
+    pre, post = ensure_testbed_teacher_pair(recipe, progress=False)
+    assert os.path.realpath(pre) == os.path.realpath(weak_model_dir)
+    meta = json.load(open(os.path.join(post, "TEACHER_DONE.json")))
+    assert meta["recipe"]["steps"] == 2 and len(meta["kept_frac"]) == 2
+    stamp = os.path.getmtime(os.path.join(post, "model.safetensors"))
+    assert ensure_testbed_teacher_pair(recipe, progress=False) == (pre, post)  # second call: no training
+    assert os.path.getmtime(os.path.join(post, "model.safetensors")) == stamp
+    assert ensure_testbed_teacher_pair({**recipe, "steps": 3}, build=False) is None  # keyed by the recipe
+    before, after = load_model(pre).state_dict(), load_model(post).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_subprocess_smoke_run(tmp_path, tiny_model_dir, shifted_model_dir):
+def test_teacher_post_is_required_for_other_teacher_pre(tmp_path, tiny_model_dir):
+    with pytest.raises(SystemExit, match="--teacher-post is required with --teacher-pre"):
+        direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir))
+
+
+def test_subprocess_smoke_run(tmp_path, tiny_model_dir, shifted_model_dir, copy_alone):
+    """Run from a folder holding only direct_opd.py and common/."""
     r = subprocess.run([sys.executable, "direct_opd.py", *TINY, "--model-name", tiny_model_dir, "--teacher-pre",
                         tiny_model_dir, "--teacher-post", shifted_model_dir, "--total-steps", "2", "--output-dir",
-                        str(tmp_path), "--run-name", "smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        str(tmp_path), "--run-name", "smoke"], cwd=copy_alone("direct_opd.py"), env=alone_env(),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "held-out greedy accuracy" in r.stdout and "teacher pair" in r.stdout
     rows = read_metrics(tmp_path / "smoke" / "metrics.jsonl")

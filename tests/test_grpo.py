@@ -1,13 +1,10 @@
 """grpo.py end to end: --help, a subprocess smoke run, learning, resume after a kill, bad input."""
 
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-from contextlib import redirect_stdout
-from dataclasses import fields
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ import tyro
 
 import grpo
 from common.logger import KILL_AFTER_SAVE, read_metrics
+from conftest import alone_env, assert_flags_documented
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "16", "--num-eval-problems", "8",
@@ -26,23 +24,14 @@ def _args(tmp_path, *extra) -> grpo.Args:
 
 
 def test_help_documents_every_flag():
-    out = io.StringIO()
-    with redirect_stdout(out), pytest.raises(SystemExit):
-        tyro.cli(grpo.Args, args=["--help"])
-    text = out.getvalue()
-    for f in fields(grpo.Args):
-        assert "--" + f.name.replace("_", "-") in text, f.name
-    # every field has a docstring: tyro prints it; a field without one shows only its type
-    import inspect
-    src = inspect.getsource(grpo.Args)
-    for f in fields(grpo.Args):
-        line = next(i for i, ln in enumerate(src.splitlines()) if ln.strip().startswith(f"{f.name}:"))
-        assert src.splitlines()[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+    assert_flags_documented(grpo.Args)
 
 
-def test_subprocess_smoke_run(tmp_path, weak_model_dir):
+def test_subprocess_smoke_run(tmp_path, weak_model_dir, copy_alone):
+    """Run from a folder holding only grpo.py and common/."""
     r = subprocess.run([sys.executable, "grpo.py", *TINY, "--total-steps", "2", "--output-dir", str(tmp_path),
-                        "--run-name", "smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "--run-name", "smoke"], cwd=copy_alone("grpo.py"), env=alone_env(), capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "held-out greedy accuracy" in r.stdout
     rows = read_metrics(tmp_path / "smoke" / "metrics.jsonl")

@@ -61,9 +61,14 @@ def test_clipped_surrogate_uses_separate_low_and_high_clip():
 def test_loss_aggregations_match_hand_computation():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert grpo.aggregate(loss, mask, "token_mean", 4, 2, 3).item() == pytest.approx(10 / 4)
-    assert grpo.aggregate(loss, mask, "seq_mean_token_mean", 4, 2, 3).item() == pytest.approx((2 + 4) / 2)
-    assert grpo.aggregate(loss, mask, "constant", 4, 2, 3).item() == pytest.approx(10 / 6)
+    # normalisers: 4 tokens, 2 sequences with tokens, 2 sequences, max_new_tokens 3
+    assert grpo.aggregate(loss, mask, "token_mean", 4, 2, 2, 3).item() == pytest.approx(10 / 4)
+    assert grpo.aggregate(loss, mask, "seq_mean_token_mean", 4, 2, 2, 3).item() == pytest.approx((2 + 4) / 2)
+    assert grpo.aggregate(loss, mask, "constant", 4, 2, 2, 3).item() == pytest.approx(10 / 6)
+    # an empty sequence counts in the constant normaliser, not in the per-sequence mean
+    loss3, mask3 = torch.cat([loss, torch.zeros(1, 3)]), torch.cat([mask, torch.zeros(1, 3)])
+    assert grpo.aggregate(loss3, mask3, "seq_mean_token_mean", 4, 2, 3, 3).item() == pytest.approx((2 + 4) / 2)
+    assert grpo.aggregate(loss3, mask3, "constant", 4, 2, 3, 3).item() == pytest.approx(10 / 9)
 
 
 def _grads_for_micro_batch(model_dir, micro, loss_agg, filter_rows):
@@ -86,11 +91,10 @@ def _grads_for_micro_batch(model_dir, micro, loss_agg, filter_rows):
                  old_logp_BC=-torch.rand(B, C) - 0.5, ref_logp_BC=-torch.rand(B, C) - 0.5)
     args = grpo.Args(loss_agg=loss_agg, beta=0.1, kl_estimator="k3", max_new_tokens=C)
     rows = torch.arange(B)
-    norm = {"tokens": mask.sum().item(),
-            "seqs": float((mask.sum(1) > 0).sum()) if loss_agg == "seq_mean_token_mean" else float(B)}
+    counts = (mask.sum().item(), float((mask.sum(1) > 0).sum()), float(B))
     total = 0.0
     for part in rows.split(micro):
-        loss, _ = grpo.micro_batch_loss(model, batch, part, args, norm)
+        loss, _ = grpo.micro_batch_loss(model, batch, part, args, counts)
         loss.backward()
         total += loss.item()
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -227,11 +231,11 @@ def test_ppo_slm_policy_loss_is_grpos_surrogate():
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "constant"])
 def test_aggregate_agrees(mode):
     _, logp, _, _, _, mask = _inputs()
-    want = grpo.aggregate(logp, mask, mode, 17.0, 3.0, 6)
-    assert torch.equal(oc_grpo.aggregate(logp, mask, mode, 17.0, 3.0, 6), want)
-    assert torch.equal(rloo_sec.aggregate(logp, mask, mode, 17.0, 3.0, 6), want)
+    want = grpo.aggregate(logp, mask, mode, 17.0, 3.0, 4.0, 6)
+    assert torch.equal(oc_grpo.aggregate(logp, mask, mode, 17.0, 3.0, 4.0, 6), want)
+    assert torch.equal(rloo_sec.aggregate(logp, mask, mode, 17.0, 3.0, 4.0, 6), want)
     if mode == "token_mean":  # direct_opd (marked): token_mean only
         assert torch.equal(direct_opd.aggregate(logp, mask, 17.0), want)
     # rloo_sec's extra mode (marked): sum over tokens and sequences / sequences
-    assert rloo_sec.aggregate(logp, mask, "seq_sum", 17.0, 3.0, 6).item() == pytest.approx(
-        (logp * mask).sum().item() / 3.0)
+    assert rloo_sec.aggregate(logp, mask, "seq_sum", 17.0, 3.0, 4.0, 6).item() == pytest.approx(
+        (logp * mask).sum().item() / 4.0)

@@ -1,10 +1,6 @@
 """ppo_slm.py: the three stages, the freeze check, the logits guard and each safety layer under injected faults."""
 
-import inspect
-import io
 import os
-from contextlib import redirect_stdout
-from dataclasses import fields
 
 import pytest
 import torch
@@ -12,6 +8,7 @@ import tyro
 from safetensors.torch import load_file
 
 import ppo_slm
+from conftest import assert_flags_documented
 from common.logger import read_metrics
 
 TINY = ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prompts", "16", "--num-prompts", "8",
@@ -31,19 +28,42 @@ def stages(tmp_path_factory, tiny_model_dir):
     return tiny_model_dir, ["--sft-adapter", out["sft_adapter"], "--reward-model", out["reward_model"]], out
 
 
+def inject_faults(mp, nonfinite_scores: float = 0.0, inf_weight_step: int = 0, ratio_step: int = 0) -> None:
+    """Monkeypatch faults into ppo_slm's real code path (mp: a pytest MonkeyPatch): a fraction of the raw RM scores
+    replaced by NaN (even rows) or +inf (odd rows) before the score shaping; one trainable weight set to inf after the
+    update of step `inf_weight_step`; the old log-probs of step `ratio_step` lowered by 5 nats (ratios about e^5)."""
+    calls = {"old": 0, "finite": 0}
+    shape_scores, old_logprobs_values, all_finite = ppo_slm.shape_scores, ppo_slm.old_logprobs_values, ppo_slm.all_finite
+
+    def faulty_scores(raw_B, moments, args):
+        hit_B = torch.rand_like(raw_B) < nonfinite_scores
+        odd_B = torch.arange(len(raw_B)) % 2 == 1
+        return shape_scores(raw_B.masked_fill(hit_B, float("nan")).masked_fill(hit_B & odd_B, float("inf")), moments,
+                            args)
+
+    def faulty_old_logprobs(policy, v_head, ro, args, device):
+        calls["old"] += 1  # once per step
+        old_logp_BC, values_BC = old_logprobs_values(policy, v_head, ro, args, device)
+        return old_logp_BC - 5.0 * ro.completion_mask_BC * (calls["old"] == ratio_step), values_BC
+
+    def finite_after_fault(params):
+        calls["finite"] += 1  # once per step, right after the update
+        if calls["finite"] == inf_weight_step:
+            with torch.no_grad():
+                next(p for n, p in params.items() if not n.startswith("v_head")).view(-1)[0] = float("inf")
+        return all_finite(params)
+
+    mp.setattr(ppo_slm, "shape_scores", faulty_scores)
+    mp.setattr(ppo_slm, "old_logprobs_values", faulty_old_logprobs)
+    mp.setattr(ppo_slm, "all_finite", finite_after_fault)
+
+
 def _steps(out) -> dict:
     return {r["step"]: r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r}
 
 
 def test_help_documents_every_flag():
-    text = io.StringIO()
-    with redirect_stdout(text), pytest.raises(SystemExit):
-        tyro.cli(ppo_slm.Args, args=["--help"])
-    src = inspect.getsource(ppo_slm.Args).splitlines()
-    for f in fields(ppo_slm.Args):
-        assert "--" + f.name.replace("_", "-") in text.getvalue(), f.name
-        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
-        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+    assert_flags_documented(ppo_slm.Args)
 
 
 def test_full_pipeline_runs_and_reports(stages):
@@ -63,12 +83,29 @@ def faulty_runs(stages, tmp_path_factory):
     weight after the update of step 2, old log-probs shifted by 5 nats (ratio ~ e^5) at step 3."""
     model, paths, _ = stages
     tmp = tmp_path_factory.mktemp("faults")
-    faults = ["--inject-nonfinite-scores", "0.5", "--inject-inf-weight-step", "2", "--inject-ratio-step", "3",
-              "--total-steps", "4"]
-    on = ppo_slm.main(_args(tmp, model, *paths, *faults, "--run-name", "on"))
-    off = ppo_slm.main(_args(tmp, model, *paths, *faults, "--no-score-norm", "--no-ratio-guard", "--no-rollback",
-                             "--run-name", "off"))
-    return on, off
+    runs = []
+    for name, flags in (("on", []), ("off", ["--no-score-norm", "--no-ratio-guard", "--no-rollback"])):
+        with pytest.MonkeyPatch.context() as mp:
+            inject_faults(mp, nonfinite_scores=0.5, inf_weight_step=2, ratio_step=3)
+            runs.append(ppo_slm.main(_args(tmp, model, *paths, "--total-steps", "4", *flags, "--run-name", name)))
+    return runs
+
+
+def test_roll_back_restores_weights_and_optimizer_state():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.ones(3)
+    opt.step()
+    params = {"w": w}
+    healthy = ppo_slm.healthy_state(params, opt)
+    saved = w.detach().clone()
+    w.grad = torch.ones(3)
+    opt.step()
+    with torch.no_grad():
+        w[0] = float("inf")
+    assert not ppo_slm.all_finite(params)
+    ppo_slm.roll_back(params, opt, healthy)
+    assert torch.equal(w.detach(), saved) and opt.state_dict()["state"][0]["step"].item() == 1
 
 
 def _adapter_finite(out) -> bool:
@@ -107,22 +144,23 @@ def test_huge_ratio_trips_the_guard(faulty_runs):
     assert _steps(off)[3]["safety/ratio_guard_skips"] == 0
 
 
-def test_ratio_guard_zeroes_the_loss_and_still_steps_as_trl(stages, tmp_path):
+def test_ratio_guard_zeroes_the_loss_and_still_steps_as_trl(stages, tmp_path, monkeypatch):
     """TRL 0.9.6 semantics: a guarded mini-batch's loss is multiplied by 0 and the optimizer still steps, so at step 2,
     where every mini-batch is guarded, Adam's momentum from step 1 still moves the weights."""
     model, paths, _ = stages
     one = ppo_slm.main(_args(tmp_path, model, *paths, "--total-steps", "1", "--run-name", "one"))
-    two = ppo_slm.main(_args(tmp_path, model, *paths, "--total-steps", "2", "--inject-ratio-step", "2",
-                             "--run-name", "two"))
+    inject_faults(monkeypatch, ratio_step=2)
+    two = ppo_slm.main(_args(tmp_path, model, *paths, "--total-steps", "2", "--run-name", "two"))
     row = _steps(two)[2]
     assert row["safety/ratio_guard_skips"] == 2 * (8 // 4) and row["optim/grad_norm"] == 0.0  # zero gradients
     a, b = (load_file(os.path.join(o["run_dir"], "ppo_adapter", "adapter_model.safetensors")) for o in (one, two))
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
-def test_rollbacks_stop_training_after_the_limit(stages, tmp_path):
+def test_rollbacks_stop_training_after_the_limit(stages, tmp_path, monkeypatch):
     model, paths, _ = stages
-    out = ppo_slm.main(_args(tmp_path, model, *paths, "--inject-inf-weight-step", "1", "--max-rollbacks", "1",
+    inject_faults(monkeypatch, inf_weight_step=1)
+    out = ppo_slm.main(_args(tmp_path, model, *paths, "--max-rollbacks", "1",
                              "--run-name", "stop"))
     assert out["steps"] == 1 and out["rollbacks"] == 1
 

@@ -1,19 +1,17 @@
 """rloo_sec.py: the RLOO advantage, the SEC bandit (probabilities, sampling, TD update, estimated buckets),
 and the trainer end to end (smoke run with the bandit logged, exact resume)."""
 
-import io
 import itertools
 import math
 import os
 import random
-from contextlib import redirect_stdout
-from dataclasses import fields
 
 import pytest
 import torch
 import tyro
 
 import rloo_sec
+from conftest import assert_flags_documented
 from common.logger import read_metrics
 from common.testbed import Problem
 
@@ -26,17 +24,7 @@ def _args(tmp_path, *extra) -> rloo_sec.Args:
 
 
 def test_help_documents_every_flag():
-    out = io.StringIO()
-    with redirect_stdout(out), pytest.raises(SystemExit):
-        tyro.cli(rloo_sec.Args, args=["--help"])
-    text = out.getvalue()
-    for f in fields(rloo_sec.Args):
-        assert "--" + f.name.replace("_", "-") in text, f.name
-    import inspect
-    src = inspect.getsource(rloo_sec.Args).splitlines()
-    for f in fields(rloo_sec.Args):
-        line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
-        assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+    assert_flags_documented(rloo_sec.Args)
 
 
 # RLOO advantage
@@ -68,8 +56,8 @@ def test_mean_abs_rloo_advantage_is_2p_1_minus_p():
 def test_seq_sum_aggregation_is_reinforce_over_sequences():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert rloo_sec.aggregate(loss, mask, "seq_sum", 4, 2, 3).item() == pytest.approx((6 + 4) / 2)
-    assert rloo_sec.aggregate(loss, mask, "token_mean", 4, 2, 3).item() == pytest.approx(10 / 4)
+    assert rloo_sec.aggregate(loss, mask, "seq_sum", 4, 2, 2, 3).item() == pytest.approx((6 + 4) / 2)
+    assert rloo_sec.aggregate(loss, mask, "token_mean", 4, 2, 2, 3).item() == pytest.approx(10 / 4)
 
 
 # SEC bandit

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.rollout import (HFEngine, batched_logprobs, completion_logprobs, completion_mask, left_pad, make_engine,
-                            process_logits, prompt_groups, sampler_mismatch, tis_weights)
+from common.rollout import (HFEngine, batched_logprobs, completion_logits, completion_logprobs, completion_mask, left_pad,
+                            make_engine, process_logits, prompt_groups, sampler_mismatch, tis_weights)
 
 
 def test_completion_mask_keeps_first_eos_and_drops_the_rest():
@@ -122,18 +122,23 @@ def test_prompt_groups_finds_adjacent_runs():
 
 
 def test_shared_prompt_logprobs_and_gradients_equal_full_forward(tiny_model_dir):
-    """Prefilling each prompt once and repeating its cache gives the same log-probs and gradients."""
+    """share_prompt=True (each prompt prefilled once, its cache repeated) gives the plain forward's log-probs and
+    gradients up to rounding; it is off unless asked for."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    ids, attn, P = _grouped_batch()
-    shared, _ = completion_logprobs(model, ids, attn, P, 0.7)
-    g_shared = torch.autograd.grad((shared * attn[:, P:]).sum(), list(model.parameters()))
-    # one row at a time: no sharing is possible, the plain full forward runs
-    rows = [completion_logprobs(model, ids[b : b + 1], attn[b : b + 1], P, 0.7)[0] for b in range(len(ids))]
-    full = torch.cat(rows)
-    g_full = torch.autograd.grad((full * attn[:, P:]).sum(), list(model.parameters()))
+    ids, attn, L = _grouped_batch()
+
+    def logp(share):
+        logits = completion_logits(model, ids, attn, L, share_prompt=share).float() / 0.7
+        return logits.gather(-1, ids[:, L:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+    shared, full = logp(True), logp(False)
+    g_shared = torch.autograd.grad((shared * attn[:, L:]).sum(), list(model.parameters()))
+    g_full = torch.autograd.grad((full * attn[:, L:]).sum(), list(model.parameters()))
     assert torch.allclose(shared, full, atol=1e-5)
     for a, b in zip(g_shared, g_full):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    # the default is the plain forward, bit for bit
+    assert torch.equal(completion_logprobs(model, ids, attn, L, 0.7)[0], full)
 
 
 def test_sampling_loop_greedy_equals_model_generate(weak_model_dir):
@@ -209,7 +214,7 @@ def test_direct_opd_scores_the_sampled_vocabulary(wide_head_model_dir):
     args = tyro.cli(direct_opd.Args, args=["--top-k", "4"])
     batch.update(topk_ids_BCK=topk_ids_BCK, old_logp_BCK=old_logp_BCK, old_logp_BC=old_logp_BC,
                  ref_logp_BC=old_logp_BC, adv_BCK=torch.randn_like(old_logp_BCK) * mask_BC[..., None])
-    loss, _ = direct_opd.micro_batch_loss(model, batch, torch.arange(4), args, {"tokens": mask_BC.sum().item()}, 1.0)
+    loss, _ = direct_opd.micro_batch_loss(model, batch, torch.arange(4), args, mask_BC.sum().item(), 1.0)
     loss.backward()
     assert torch.isfinite(loss) and model.lm_head.weight.grad is not None
 

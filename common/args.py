@@ -1,0 +1,87 @@
+"""The flags the trainers share, as dataclasses that a trainer's `Args` extends with its algorithm's own flags:
+`RunArgs` (run folder, resume, logging, device) and `TrainArgs` (RunArgs plus model, data, rollout engine and
+evaluation). A trainer redeclares a field to change its default (the field keeps its place in --help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class RunArgs:
+    # Experiment
+    exp_name: str = "run"
+    """name of this experiment (prefix of the run folder)"""
+    seed: int = 1
+    """seed of python, numpy and torch (each rank adds its rank)"""
+    run_name: str = ""
+    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: str = ""
+    """path of a run folder to continue from its latest checkpoint"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
+    wandb_project: str = "tinypost"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    device: str = "cpu"
+    """torch device ('cpu', 'cuda')"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the policy weights"""
+    fsdp: bool = False
+    """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
+    root; reference and teacher models too); without it every rank holds the whole model (docs/fsdp.md). grpo,
+    rloo_sec, rlpf and direct_opd; the others stop with a one-line error saying why"""
+    fsdp_mixed_precision: bool = False
+    """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
+
+
+@dataclass
+class TrainArgs(RunArgs):
+    # Model and data
+    model_name: str = "testbed-weak"
+    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+    dataset: str = "testbed"
+    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
+    dataset_config: str | None = None
+    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split used for training (Hugging Face datasets)"""
+    eval_dataset: str = ""
+    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
+    eval_split: str = "test"
+    """split used for held-out evaluation"""
+    levels: tuple[int, ...] = (3,)
+    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
+    question_field: str | None = None
+    """record field holding the question (auto-detected when unset)"""
+    answer_field: str | None = None
+    """record field holding the final answer (auto-detected when unset)"""
+    solution_field: str | None = None
+    """record field holding a reference solution (optional)"""
+    num_train_problems: int = 0
+    """keep only this many training problems (0: all; testbed: 500 per level)"""
+    max_prompt_tokens: int = 0
+    """truncate prompts to their last N tokens (0: never)"""
+    rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
+    """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
+    per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights
+    in place after every update; needs the vllm extra, see README)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
+
+    # Evaluation
+    eval_every: int = 50
+    """evaluate every N steps (0: only before and after training)"""
+    num_eval_problems: int = 200
+    """held-out problems per evaluation"""
+    eval_samples: int = 4
+    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
+    eval_pass_k: int = 4
+    """k of the logged eval/pass_at_k"""
+

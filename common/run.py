@@ -1,0 +1,119 @@
+"""The plumbing around every trainer's loop, so that its `main()` shows the algorithm: seeding and the run folder,
+loading the problems, the optimizer, resuming, timing and throughput metrics, the end of the run."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from common.data import load_problems
+from common.dist import all_reduce_sum
+from common.logger import resume
+
+
+def start_run(args, rank: int) -> str:
+    """Seed python, numpy and torch with seed + rank; fill in the batch sizes (when Args has them); return the run
+    folder: the --resume folder, or output_dir/{run_name or exp_name__seed__unix time}."""
+    if hasattr(args, "batch_size") and hasattr(args, "group_size"):
+        args.batch_size = args.num_prompts * args.group_size
+        args.minibatch_size = args.batch_size // args.num_minibatches
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    return args.resume.rstrip("/") or os.path.join(
+        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+
+
+def load_train_eval(args) -> tuple[list, list]:
+    """The training problems and the held-out ones (--eval-dataset, else --dataset's --eval-split)."""
+    fields = dict(dataset_config=args.dataset_config, question_field=args.question_field,
+                  answer_field=args.answer_field, solution_field=args.solution_field)
+    train = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed, **fields)
+    held_out = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels, args.num_eval_problems,
+                             args.seed, **fields)
+    return train, held_out
+
+
+def make_optimizer(params, args) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW and a linear warmup over --warmup-steps optimizer steps, constant afterwards."""
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    warmup = lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1))  # noqa: E731
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+
+
+def resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device: str) -> dict:
+    """{'step': 0} for a fresh run. With a checkpoint opened by open_checkpoint: the weights, optimizer, scheduler,
+    this rank's sampler position and RNG states are restored, the engine gets the weights, and the checkpoint's
+    trainer state (step, first_eval and what the trainer saved beside them) is returned."""
+    if not ckpt:
+        return {"step": 0}
+    state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
+    engine.sync_weights(model)
+    return state
+
+
+def step_bar(args, start_step: int, rank: int):
+    """The progress bar over steps start_step + 1 .. total_steps (rank 0 only)."""
+    return tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
+                initial=start_step, total=args.total_steps)
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    """Add the seconds the block takes to times[name]."""
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.time() - t0
+
+
+def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
+    """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
+    least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
+    mini-batch gradient whatever the split."""
+    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                          float(len(mask_BC))]))
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
+def peak_mem_gb(device: str) -> float:
+    return (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+
+
+def rollout_perf_metrics(rollouts, times: dict, train_passes: int, device: str, gen_tokens: float | None = None,
+                         train_rollouts=None) -> dict:
+    """Completion length and truncation of the sampled `rollouts`, time/<phase> for each timed phase, generation
+    throughput (gen_tokens: default, the rollouts' completion tokens) and training throughput (train_passes passes,
+    e.g. PPO epochs, over train_rollouts, by default the rollouts themselves), and peak memory."""
+    gen_tokens = rollouts.lengths_B.sum().item() if gen_tokens is None else gen_tokens
+    train_rollouts = rollouts if train_rollouts is None else train_rollouts
+    return {"rollout/completion_len": rollouts.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
+            **{f"time/{k}": v for k, v in times.items()},
+            "perf/gen_tokens_per_s": gen_tokens / max(times.get("generate", 0.0), 1e-9),
+            "perf/train_tokens_per_s": train_passes * train_rollouts.attention_mask_BT.sum().item()
+            / max(times.get("update", 0.0), 1e-9),
+            "perf/peak_mem_gb": peak_mem_gb(device)}
+
+
+def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir: str,
+               what: str = "held-out greedy accuracy") -> dict:
+    """The final evaluation, logged at `step`; the logger closed (curve.png); rank 0 prints greedy accuracy
+    before -> after. Returns the final evaluation."""
+    final_eval = run_eval()
+    logger.log(step, final_eval)
+    logger.close()
+    if rank == 0:
+        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
+        print(f"{what}: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
+              f"run folder {run_dir}")
+    return final_eval
