@@ -35,11 +35,12 @@ def update(module, model, batch, rows, args, optimizer, normalise, reduce=lambda
     grad_norms = []
     for _ in range(args.num_iterations):
         mask_BC = batch["mask_BC"][rows]
-        norm_t = normalise(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()), float(len(rows))]))
-        norm = {"tokens": norm_t[0].item(), "seqs": norm_t[2].item()}
+        # the trainer's mini-batch normalisers (common.run.minibatch_counts): tokens, non-empty sequences, sequences
+        counts = tuple(v.item() for v in normalise(torch.tensor(
+            [mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()), float(len(rows))])))
         optimizer.zero_grad(set_to_none=True)
         for micro in rows.split(args.micro_batch_size):
-            loss, _ = module.micro_batch_loss(model, batch, micro, args, norm)
+            loss, _ = module.micro_batch_loss(model, batch, micro, args, counts)
             loss.backward()
         reduce(model)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
