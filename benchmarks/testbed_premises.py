@@ -2,7 +2,7 @@
 greedy decoding on held-out problems (200 per cell), through the prompts the trainers themselves render:
 
   1. calibration    testbed-weak: level 3 in [0.40, 0.60], level 1 >= 0.85, level 5 <= 0.10
-  2. guidance       (OC-GRPO, oc_grpo.solution_prefix) level 5: a 50% solution prefix >= 0.30, the full solution >= 0.70
+  2. guidance       (OC-GRPO, oc_grpo.solution_prefix and render_guided_prompt) level 5: a 50% solution prefix >= 0.30, the full solution >= 0.70
   3. strong student (Direct-OPD) testbed-strong level 3 >= 0.75 and >= 0.10 above the default teacher pair's post
                     model (testbed-weak improved on level 3; common.testbed.ensure_testbed_teacher_pair)
   4. knowledge      (AdaKP, Problem.hints) level 4: the helpful hints raise accuracy >= 0.15 over no hint;
@@ -33,7 +33,7 @@ from common.data import render_prompt  # noqa: E402
 from common.rollout import HFEngine  # noqa: E402
 from common.testbed import ensure_testbed_model, make_suite  # noqa: E402
 from mada_rl import render_critic_prompt  # noqa: E402
-from oc_grpo import solution_prefix  # noqa: E402
+from oc_grpo import render_guided_prompt, solution_prefix  # noqa: E402
 
 N = 200
 
@@ -68,7 +68,7 @@ def measure(seed: int) -> dict:
         m[f"weak L{lv}"] = acc(weak, lv, plain)
     for frac in (0.5, 1.0):
         m[f"weak L5, {frac:.0%} solution prefix"] = acc(
-            weak, 5, lambda p: render_prompt(p, tok, solution_prefix=solution_prefix(p.solution, frac)))  # noqa: B023
+            weak, 5, lambda p: render_guided_prompt(p, tok, solution_prefix(p.solution, frac)))  # noqa: B023
     m["weak L4, helpful hints"] = acc(weak, 4, lambda p: render_prompt(
         p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if ok]))
     m["weak L4, distractor hints"] = acc(weak, 4, lambda p: render_prompt(
