@@ -35,7 +35,6 @@ Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N
 """
 
 import dataclasses
-import inspect
 import json
 import os
 import random
@@ -331,10 +330,8 @@ def proposal_text(completion: str, problem) -> str:
 
 def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
     """x' = the other agents' answers, then the question (testbed: `Prop:17\\nProp:16\\nQ:...\\nA:`)."""
-    if problem.task == "testbed":
-        if "proposals" in inspect.signature(render_testbed_prompt).parameters:
-            return render_testbed_prompt(problem.question, proposals=proposals)
-        return "".join(f"Prop:{a}\n" for a in proposals) + f"Q:{problem.question}\nA:"
+    if problem.task == "testbed":  # the testbed's compact prompt, with one Prop: line per proposal
+        return "".join(f"Prop:{a}\n" for a in proposals) + render_testbed_prompt(problem.question)
     header = "Answers proposed by other agents:\n" + "\n".join(f"- {a}" for a in proposals) + "\n\n"
     return render_prompt(problem, tokenizer, template=header.replace("{", "{{").replace("}", "}}") + MATH_TEMPLATE)
 
@@ -411,10 +408,8 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     sampler = PromptSampler(records, args.seed + 1000 * stage + agent)
     steps = args.generator_steps if stage == 1 else args.critic_steps
-    bar = tqdm(range(1, steps + 1), desc=f"{args.exp_name} {name}")
-    step = step0
-    for i in bar:
-        step = step0 + i
+    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}")
+    for step in bar:
         t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x)
         batch_records = sampler.next(args.num_prompts)
@@ -486,7 +481,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             metrics["mada/beats_generators"] = (correct_PG.mean(1) - acc_g_P).mean().item()
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-    return step
+    return step0 + steps
 
 
 def critic_records(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[tuple]:
