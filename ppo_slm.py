@@ -39,9 +39,10 @@ Left out, on purpose: NEFTune noise in SFT and mixed precision in SFT/RM (both o
 per-turn agentic extension, checkpoint/resume (the stages are the checkpoints), and reward whitening across
 ranks (each rank whitens its own batch, as in TRL).
 
-Metrics: the shared names of README.md (`reward/*`: the summed per-token reward; `train/accuracy`: the verifier's)
-plus rm/*, loss/value, value/clip_frac, policy/kl_ref, kl/beta, safety/* and eval/win_rate_*, each explained in
-docs/ppo_slm.md.
+Metrics: the shared names of README.md, with `reward/*` of the summed per-token reward (KL penalty + shaped score,
+after --whiten-rewards) and `train/accuracy` the verifier's; plus rm/*, loss/value, value/clip_frac, policy/kl_ref,
+kl/beta, eval/win_rate_* and safety/* (logit_fixes: non-finite logits replaced in generation; ratio_guard_skips:
+mini-batches whose loss the guard zeroed this step), each explained in docs/ppo_slm.md.
 
     python ppo_slm.py                                    # embedded CPU demo: testbed-weak, a few minutes
     python ppo_slm.py --model-name EleutherAI/pythia-410m-deduped --dataset roneneldan/TinyStories \\
