@@ -64,7 +64,7 @@ import numpy as np
 import torch
 import tyro
 
-from common.args import TrainArgs
+from common.args import TrainArgs, check_at_least
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, refuse_fsdp
 from common.evaluate import evaluate
@@ -73,7 +73,7 @@ from common.models import load_model, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
                             sampler_mismatch, split_completions, tis_weights)
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed)
+                        rollout_perf_metrics, start_run, step_bar, timed, update_metrics)
 from common.verifiers import format_reward, score
 
 
@@ -172,6 +172,7 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     """rollouts per step per rank = num_prompts * group_size"""
     minibatch_size: int = 0
     """rollouts per optimizer step = batch_size // num_minibatches"""
+
 
 # ALGO LOGIC: advantages, KL and the clipped objective
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,12 +382,8 @@ def main(args: Args) -> dict:
                 "probes differ in number between ranks, while under FSDP every forward is a collective")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
-    for name in ("budget", "reselect_every", "entropy_top_k"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be 0 or more")
-    for name in ("probe_len", "proxy_batch_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    check_at_least(args, 0, "budget", "reselect_every", "entropy_top_k")
+    check_at_least(args, 1, "probe_len", "proxy_batch_size")
     if not 0 < args.is_clip_min <= 1:
         raise SystemExit(f"error: --is-clip-min {args.is_clip_min} must be in (0, 1]")
     if args.correction != "none" and args.tis != "none":
@@ -570,14 +567,12 @@ def main(args: Args) -> dict:
 
         # TRY NOT TO MODIFY: metrics (names documented in README.md); loss/* are means over optimizer steps, the
         # other sums (the vllm sampler's rollout/* included) are over tokens
-        n_updates = args.num_iterations * args.num_minibatches
-        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
+            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                             mask_BC.sum().item() * args.num_iterations),
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device, train_rollouts=train_rollouts),
         }
         # knowledge-point statistics (names in the module docstring)
@@ -595,11 +590,11 @@ def main(args: Args) -> dict:
             "kp/faded": float(faded), "kp/grown": float(grown),
             "kp/zero_correct_frac": (pass_P == 0).float().mean().item(),
         })
-        if weigh:
-            metrics.update({"is/weight_mean": w_tok.mean().item() if len(w_tok) else 1.0,
-                            "is/weight_min": w_tok.min().item() if len(w_tok) else 1.0,
-                            "is/frac_at_clamp": (w_tok <= args.is_clip_min * (1 + 1e-6)).float().mean().item()
-                            if len(w_tok) else 0.0})
+        if weigh and len(w_tok):
+            metrics.update({"is/weight_mean": w_tok.mean().item(), "is/weight_min": w_tok.min().item(),
+                            "is/frac_at_clamp": (w_tok <= args.is_clip_min * (1 + 1e-6)).float().mean().item()})
+        elif weigh:  # no row was shown KPs: the weight is 1 everywhere
+            metrics.update({"is/weight_mean": 1.0, "is/weight_min": 1.0, "is/frac_at_clamp": 0.0})
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())

@@ -17,15 +17,9 @@ previous round's answers shown as proposals; the reported accuracy is the paper'
 critics of the final round's correctness (the majority vote of the final round is reported beside it).
 
 Logged metrics (metrics.jsonl; one global step counter across agents, stage by stage): grpo.py's training
-names (reward/*, train/accuracy, adv/*, loss/policy, policy/*, optim/*, rollout/*, perf/*, time/*) for the
-active agent, plus mada/stage (1 or 3), mada/agent (index within its role), mada/len_reward (mean R_len),
-mada/adv_mean, mada/correct_len (mean tokens of right answers), and for critics mada/acc_g (mean acc_G of the
-batch) and mada/beats_generators (critic accuracy minus acc_G). Held-out, before training, after Stage 1 and
-at the end: mada/eval/single_accuracy (mean over generators; /gen{n} each), mada/eval/majority_accuracy
-(generators' vote), mada/eval/debate_accuracy (the paper's rule; also logged as eval/greedy_accuracy),
-mada/eval/debate_majority_accuracy, mada/eval/improvement_rate and mada/eval/break_rate (see debate_metrics),
-mada/eval/frac/acc_g_{k}of{N} and mada/eval/debate_accuracy/acc_g_{k}of{N} by round-1 agreement bucket,
-mada/trainable_params_per_agent, mada/trainable_params_total, mada/base_params, mada/critic_data/*.
+names for the active agent, plus mada/* (stage, agent, length reward, acc_G, the held-out debate before training,
+after Stage 1 and at the end, by round-1 agreement bucket, parameter counts), each explained in docs/mada_rl.md;
+mada/eval/debate_accuracy is also logged as eval/greedy_accuracy.
 
 Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume and data
 parallelism (the three stages are short and sequential; rerun a stage by rerunning the script).
@@ -40,7 +34,7 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
 
-import inspect
+import dataclasses
 import json
 import os
 import random
@@ -59,7 +53,8 @@ from common.dist import refuse_fsdp
 from common.logger import RunLogger, check_run_args, fail
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import load_train_eval, minibatch_counts, rollout_perf_metrics, timed
+from common.args import check_at_least
+from common.run import load_train_eval, minibatch_counts, rollout_perf_metrics, start_run, timed, update_metrics
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 
@@ -335,10 +330,8 @@ def proposal_text(completion: str, problem) -> str:
 
 def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
     """x' = the other agents' answers, then the question (testbed: `Prop:17\\nProp:16\\nQ:...\\nA:`)."""
-    if problem.task == "testbed":
-        if "proposals" in inspect.signature(render_testbed_prompt).parameters:
-            return render_testbed_prompt(problem.question, proposals=proposals)
-        return "".join(f"Prop:{a}\n" for a in proposals) + f"Q:{problem.question}\nA:"
+    if problem.task == "testbed":  # the testbed's compact prompt, with one Prop: line per proposal
+        return "".join(f"Prop:{a}\n" for a in proposals) + render_testbed_prompt(problem.question)
     header = "Answers proposed by other agents:\n" + "\n".join(f"- {a}" for a in proposals) + "\n\n"
     return render_prompt(problem, tokenizer, template=header.replace("{", "{{").replace("}", "}}") + MATH_TEMPLATE)
 
@@ -415,10 +408,8 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     sampler = PromptSampler(records, args.seed + 1000 * stage + agent)
     steps = args.generator_steps if stage == 1 else args.critic_steps
-    bar = tqdm(range(1, steps + 1), desc=f"{args.exp_name} {name}")
-    step = step0
-    for i in bar:
-        step = step0 + i
+    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}")
+    for step in bar:
         t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x)
         batch_records = sampler.next(args.num_prompts)
@@ -473,15 +464,13 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
                     optimizer.step()
 
         # metrics: grpo.py's names plus mada/*; loss/* are means over optimizer steps, the other sums are over tokens
-        n_updates = args.num_iterations * args.num_minibatches
-        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         lengths_PG = rollouts.lengths_B.float().view(-1, args.group_size)
         metrics = {
             "reward/mean": rewards_PG.mean().item(), "reward/std": rewards_PG.std(unbiased=False).item(),
             "train/accuracy": correct_PG.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": args.learning_rate,
+            **update_metrics(sums, grad_norms, args.learning_rate, args.num_iterations * args.num_minibatches,
+                             mask_BC.sum().item() * args.num_iterations),
             **rollout_perf_metrics(rollouts, times, args.num_iterations, args.device),
             "mada/stage": stage, "mada/agent": agent,
             "mada/len_reward": len_PG.mean().item(), "mada/adv_mean": adv_B.mean().item(),
@@ -492,7 +481,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             metrics["mada/beats_generators"] = (correct_PG.mean(1) - acc_g_P).mean().item()
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-    return step
+    return step0 + steps
 
 
 def critic_records(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[tuple]:
@@ -549,20 +538,13 @@ def main(args: Args) -> dict:
     refuse_fsdp(args, "mada_rl.py", "it runs on one process (no torchrun), with LoRA adapters switched "
                 "in place on one frozen base, which this FSDP2 wrapping does not shard")
     # sizes, seeding, run folder
-    args.batch_size = args.num_prompts * args.group_size
-    args.minibatch_size = args.batch_size // max(args.num_minibatches, 1)
     args.total_steps = args.generator_steps * args.num_generators + args.critic_steps * args.num_critics
-    for name in ("num_generators", "debate_rounds"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    check_at_least(args, 1, "num_generators", "debate_rounds")
     if args.num_critics < 1 and args.debate_rounds > 1:
         fail(f"--num-critics {args.num_critics}: rounds 2..{args.debate_rounds} of the debate need critics")
-    if args.generator_steps < 0 or args.critic_steps < 0:
-        fail("--generator-steps and --critic-steps must be at least 0")
-    check_run_args(dataclass_copy(args, total_steps=max(args.total_steps, 1)))
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    check_at_least(args, 0, "generator_steps", "critic_steps")
+    check_run_args(dataclasses.replace(args, total_steps=max(args.total_steps, 1)))
+    run_dir = start_run(args, rank=0)  # seeds python, numpy and torch; batch sizes; the run folder
     device = args.device
 
     if args.eval_debate:  # deployment only, from a finished run folder
@@ -574,7 +556,6 @@ def main(args: Args) -> dict:
         print_table({"trained": res})
         return {"after": res, "run_dir": args.eval_debate}
 
-    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
     tokenizer = load_tokenizer(args.model_name)
     train_problems, eval_problems = load_train_eval(args)
     generators, critics = agent_names(args.num_generators, args.num_critics)
@@ -630,12 +611,6 @@ def main(args: Args) -> dict:
           f"{final_eval['mada/train_time_s']:.0f} s; run folder {run_dir}")
     return {"before": first_eval, "generators": mid_eval, "after": final_eval, "stage2": stage2,
             "params": params_info, "run_dir": run_dir}
-
-
-def dataclass_copy(args: Args, **changes) -> Args:
-    import dataclasses
-
-    return dataclasses.replace(args, **changes)
 
 
 if __name__ == "__main__":

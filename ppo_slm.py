@@ -39,15 +39,10 @@ Left out, on purpose: NEFTune noise in SFT and mixed precision in SFT/RM (both o
 per-turn agentic extension, checkpoint/resume (the stages are the checkpoints), and reward whitening across
 ranks (each rank whitens its own batch, as in TRL).
 
-Metrics: the shared names of README.md, where `reward/mean` and `reward/std` are of the summed per-token
-reward (KL penalty + shaped score, after --whiten-rewards) and `train/accuracy` is the verifier's (testbed);
-plus `rm/score_mean`, `rm/score_std` (raw RM scores of the rollouts),
-`rm/pair_accuracy` (held-out pairs, logged at step 0), `loss/value`, `value/clip_frac`, `policy/kl_ref`
-(summed per-sequence KL(old || ref), the controller's input), `kl/beta`, `safety/nonfinite_scores`,
-`safety/logit_fixes` (non-finite logits replaced in generation), `safety/max_ratio`,
-`safety/ratio_guard_skips` (mini-batches whose loss the guard zeroed this step), `safety/rollbacks` (cumulative),
-`eval/rm_score`, `eval/win_rate_rm` (PPO sample beats the SFT sample on the same prompt, ties 1/2),
-`eval/win_rate_rm_analytic` (the paper's Phi(delta / sqrt(var_ppo + var_sft))), `eval/win_rate_verifier`.
+Metrics: the shared names of README.md, with `reward/*` of the summed per-token reward (KL penalty + shaped score,
+after --whiten-rewards) and `train/accuracy` the verifier's; plus rm/*, loss/value, value/clip_frac, policy/kl_ref,
+kl/beta, eval/win_rate_* and safety/* (logit_fixes: non-finite logits replaced in generation; ratio_guard_skips:
+mini-batches whose loss the guard zeroed this step), each explained in docs/ppo_slm.md.
 
     python ppo_slm.py                                    # embedded CPU demo: testbed-weak, a few minutes
     python ppo_slm.py --model-name EleutherAI/pythia-410m-deduped --dataset roneneldan/TinyStories \\
@@ -80,7 +75,7 @@ from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_
 from common.logger import RunLogger
 from common.models import load_model, load_score_model, load_tokenizer, resolve_model
 from common.rollout import HFEngine, batched_logprobs, left_pad, position_ids
-from common.run import rollout_perf_metrics, timed
+from common.run import rollout_perf_metrics, start_run, step_bar, timed, update_metrics
 from common.testbed import render_testbed_prompt
 from common.verifiers import score
 
@@ -543,13 +538,7 @@ def main(args: Args) -> dict:
         raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
                          f"{args.minibatch_size}")
     args.num_minibatches = args.num_prompts // args.minibatch_size
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    stamp = [int(time.time())]
-    if world > 1:
-        dist.broadcast_object_list(stamp, src=0)
-    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{stamp[0]}")
+    run_dir = start_run(args, rank)  # seeds, the run folder (rank 0's name on every rank)
     os.makedirs(run_dir, exist_ok=True)
     from transformers import AutoModelForSequenceClassification
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -618,7 +607,7 @@ def main(args: Args) -> dict:
         print(f"reward model held-out pair accuracy {rm_acc:.3f} ({t_stages:.0f} s for SFT + RM)")
 
     rollbacks, checked, metrics, step = 0, False, {}, 0
-    bar = tqdm(range(1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0)
+    bar = step_bar(args, 0, rank)
     for step in bar:
         t_step, times = time.time(), {}
         # 1. Rollouts: one completion per prompt, through the logits guard
@@ -697,20 +686,16 @@ def main(args: Args) -> dict:
         if kl_ref < -50:
             stop = stop or f"stopping: KL to the reference is {kl_ref:.1f} < -50"
 
-        # TRY NOT TO MODIFY: metrics
-        n_mb, n_tok = args.ppo_epochs * args.num_minibatches, max(mask_BC.sum().item() * args.ppo_epochs, 1.0)
-        total_B = (rewards_BC * mask_BC).sum(1)
+        # TRY NOT TO MODIFY: metrics; loss/* are means over optimizer steps, the other sums are over tokens
+        total_B, finite_raw = (rewards_BC * mask_BC).sum(1), raw_B[torch.isfinite(raw_B)]
         metrics = {
             "reward/mean": total_B.mean().item(), "reward/std": total_B.std(unbiased=False).item(),
-            "rm/score_mean": raw_B[torch.isfinite(raw_B)].mean().item() if torch.isfinite(raw_B).any() else 0.0,
-            "rm/score_std": raw_B[torch.isfinite(raw_B)].std(unbiased=False).item() if torch.isfinite(raw_B).any()
-            else 0.0,
+            "rm/score_mean": finite_raw.mean().item() if len(finite_raw) else 0.0,
+            "rm/score_std": finite_raw.std(unbiased=False).item() if len(finite_raw) else 0.0,
             "adv/mean_abs": (adv_BC.abs() * mask_BC).sum().item() / max(mask_BC.sum().item(), 1.0),
-            "loss/policy": sums["loss/policy"] / n_mb, "loss/value": sums["loss/value"] / n_mb,
-            "policy/clip_frac": sums["policy/clip_frac"] / n_tok, "value/clip_frac": sums["value/clip_frac"] / n_tok,
-            "policy/approx_kl": sums["policy/approx_kl"] / n_tok, "policy/entropy": sums["policy/entropy"] / n_tok,
+            **update_metrics(sums, grad_norms, args.learning_rate, args.ppo_epochs * args.num_minibatches,
+                             mask_BC.sum().item() * args.ppo_epochs),
             "policy/kl_ref": kl_ref, "kl/beta": beta,
-            "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": args.learning_rate,
             "safety/nonfinite_scores": n_bad, "safety/logit_fixes": guard.fixed - fixes0,
             "safety/max_ratio": max_ratio, "safety/ratio_guard_skips": skips, "safety/rollbacks": rollbacks,
             **rollout_perf_metrics(ro, times, args.ppo_epochs, device),

@@ -85,3 +85,10 @@ class TrainArgs(RunArgs):
     eval_pass_k: int = 4
     """k of the logged eval/pass_at_k"""
 
+
+
+def check_at_least(args, lo: int, *names: str) -> None:
+    """A one-line error for the first of the flags `names` whose value is below `lo`."""
+    for name in names:
+        if getattr(args, name) < lo:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least {lo}")

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from common.data import load_problems
@@ -20,15 +21,19 @@ from common.logger import resume
 
 def start_run(args, rank: int) -> str:
     """Seed python, numpy and torch with seed + rank; fill in the batch sizes (when Args has them); return the run
-    folder: the --resume folder, or output_dir/{run_name or exp_name__seed__unix time}."""
+    folder: the --resume folder, or output_dir/{run_name or exp_name__seed__unix time}, the time rank 0's under
+    torchrun so that every rank names the same folder."""
     if hasattr(args, "batch_size") and hasattr(args, "group_size"):
         args.batch_size = args.num_prompts * args.group_size
         args.minibatch_size = args.batch_size // args.num_minibatches
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    return args.resume.rstrip("/") or os.path.join(
-        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    stamp = [int(time.time())]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(stamp, src=0)
+    return getattr(args, "resume", "").rstrip("/") or os.path.join(
+        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{stamp[0]}")
 
 
 def load_train_eval(args) -> tuple[list, list]:
@@ -82,6 +87,13 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
                                           float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
+
+
+def update_metrics(sums: dict, grad_norms: list[float], lr: float, n_updates: int, n_tok: float) -> dict:
+    """The update's statistics: the loss/* sums as means over its n_updates optimizer steps, the other sums (per-token
+    statistics) divided by the n_tok tokens they were summed over, optim/grad_norm (mean over steps) and optim/lr."""
+    return {**{k: v / (n_updates if k.startswith("loss/") else max(n_tok, 1.0)) for k, v in sums.items()},
+            "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": lr}
 
 
 def peak_mem_gb(device: str) -> float:
