@@ -565,7 +565,7 @@ def main(args: Args) -> dict:
                     scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
             engine.sync_weights(model)
 
-        # TRY NOT TO MODIFY: metrics (names documented in README.md); loss/* are means over optimizer steps, the
+        # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
         # other sums (the vllm sampler's rollout/* included) are over tokens
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),

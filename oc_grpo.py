@@ -455,7 +455,7 @@ def main(args: Args) -> dict:
                     scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
             engine.sync_weights(model)
 
-        # TRY NOT TO MODIFY: metrics (names documented in README.md); loss/* are means over optimizer steps, the
+        # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
         # other sums are over tokens
         n_updates = args.num_iterations * args.num_minibatches
         n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)

@@ -39,7 +39,7 @@ Left out, on purpose: NEFTune noise in SFT and mixed precision in SFT/RM (both o
 per-turn agentic extension, checkpoint/resume (the stages are the checkpoints), and reward whitening across
 ranks (each rank whitens its own batch, as in TRL).
 
-Metrics: the shared names of README.md, with `reward/*` of the summed per-token reward (KL penalty + shaped score,
+Metrics: the shared names of docs/runs.md, with `reward/*` of the summed per-token reward (KL penalty + shaped score,
 after --whiten-rewards) and `train/accuracy` the verifier's; plus rm/*, loss/value, value/clip_frac, policy/kl_ref,
 kl/beta, eval/win_rate_* and safety/* (logit_fixes: non-finite logits replaced in generation; ratio_guard_skips:
 mini-batches whose loss the guard zeroed this step), each explained in docs/ppo_slm.md.
