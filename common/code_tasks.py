@@ -317,9 +317,12 @@ def ensure_code_model(progress: bool = True) -> str:
     with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
         json.dump(dict(name=CODE_MODEL, recipe_hash=code_recipe_hash(), recipe=CODE_RECIPE, final_loss=loss.item(),
                        seconds=round(time.time() - t0, 1)), f)
-    shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(done):  # another process (a torchrun rank, a parallel test) finished first: keep its copy,
+        shutil.rmtree(tmp, ignore_errors=True)  # which someone may be loading from right now
+        return path
+    shutil.rmtree(path, ignore_errors=True)  # an unfinished leftover
     try:
         os.replace(tmp, path)
-    except OSError:  # another process finished first
+    except OSError:  # another process finished in between
         shutil.rmtree(tmp, ignore_errors=True)
     return path

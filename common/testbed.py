@@ -347,7 +347,7 @@ def ensure_testbed_model(name: str, progress: bool = True, seed: int = 0) -> str
 
     print(f"[testbed] building {name} into {path} (once; cached afterwards)")
     if os.path.exists(path):
-        shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)
     os.makedirs(cache_root(), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -456,7 +456,10 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
     with open(os.path.join(tmp, "TEACHER_DONE.json"), "w") as f:
         json.dump(dict(hash=teacher_pair_hash(recipe), recipe=recipe, pre=pre, kept_frac=kept_frac,
                        heldout_greedy_accuracy=dict(pre=before, post=after)), f, indent=2)
-    shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(os.path.join(path, "TEACHER_DONE.json")):  # another process finished first: keep its copy,
+        shutil.rmtree(tmp, ignore_errors=True)  # which someone may be loading from right now
+        return pre, path
+    shutil.rmtree(path, ignore_errors=True)  # an unfinished leftover
     try:
         os.replace(tmp, path)
     except OSError:  # another process finished first
