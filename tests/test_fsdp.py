@@ -12,6 +12,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _failure(r) -> str:
+    """What a failed torchrun says: the children's error lines first (torchrun's own summary is last)."""
+    errors = [ln for ln in r.stderr.splitlines() if "Error" in ln and "Warning" not in ln][:20]
+    return "\n".join(errors) + "\n...\n" + r.stderr[-2000:]
+
+
 def _torchrun(*cmd, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *cmd], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
@@ -26,7 +32,11 @@ def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir
     data-parallel path (bucketed all-reduce) gives the same weights too."""
     out = tmp_path / "out.json"
     r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    if r.returncode != 0 and "exitcode: -" in r.stderr:
+        # A gloo child killed by a signal (SIGABRT, seen in about 1 of 10 runs on a loaded 2-core machine, with no
+        # Python error; never reproduced alone) is retried once; a Python error or a wrong result is not.
+        r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
+    assert r.returncode == 0, _failure(r)
     for res in json.loads(out.read_text()):
         assert res["moved"] > 1e-4  # the update is large enough for the comparison to mean something
         assert res["max_weight_diff"] < 1e-5, res
@@ -110,7 +120,7 @@ def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     reference model; direct_opd.py with its reference and both teachers sharded."""
     flags = [weak_model_dir if f == "WEAK" else f for f in SMOKE[script]]
     r = _torchrun(script, *flags, "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "smoke")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, _failure(r)
     rows = _rows(tmp_path / "smoke")
     assert sorted(rows) == [1, 2] and all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows.values())
     ckpt = tmp_path / "smoke" / "checkpoint"
