@@ -264,8 +264,10 @@ def ensure_code_model(progress: bool = True) -> str:
     """The folder of the warm-started `testbed-code` model, built once (about a minute on 2 cores) and cached."""
     path = code_model_dir()
     done = os.path.join(path, "TESTBED_DONE.json")
-    if os.path.exists(done) and os.path.getsize(os.path.join(path, "model.safetensors")) > 0:
+    weights = os.path.join(path, "model.safetensors")
+    if os.path.exists(done) and os.path.exists(weights) and os.path.getsize(weights) > 0:
         return path
+    shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -317,12 +319,8 @@ def ensure_code_model(progress: bool = True) -> str:
     with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
         json.dump(dict(name=CODE_MODEL, recipe_hash=code_recipe_hash(), recipe=CODE_RECIPE, final_loss=loss.item(),
                        seconds=round(time.time() - t0, 1)), f)
-    if os.path.exists(done):  # another process (a torchrun rank, a parallel test) finished first: keep its copy,
-        shutil.rmtree(tmp, ignore_errors=True)  # which someone may be loading from right now
-        return path
-    shutil.rmtree(path, ignore_errors=True)  # an unfinished leftover
-    try:
+    try:  # one atomic rename; never delete `path` here: another rank may be loading from it right now
         os.replace(tmp, path)
-    except OSError:  # another process finished in between
+    except OSError:  # another process (a torchrun rank, a parallel test) finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -438,6 +438,7 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
         pass
     if not build:
         return None
+    shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[testbed] building the teacher pair's post model into {path} (once; cached afterwards)")
@@ -456,11 +457,7 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
     with open(os.path.join(tmp, "TEACHER_DONE.json"), "w") as f:
         json.dump(dict(hash=teacher_pair_hash(recipe), recipe=recipe, pre=pre, kept_frac=kept_frac,
                        heldout_greedy_accuracy=dict(pre=before, post=after)), f, indent=2)
-    if os.path.exists(os.path.join(path, "TEACHER_DONE.json")):  # another process finished first: keep its copy,
-        shutil.rmtree(tmp, ignore_errors=True)  # which someone may be loading from right now
-        return pre, path
-    shutil.rmtree(path, ignore_errors=True)  # an unfinished leftover
-    try:
+    try:  # one atomic rename; never delete `path` here: another process may be loading from it right now
         os.replace(tmp, path)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
