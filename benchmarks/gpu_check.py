@@ -1,0 +1,202 @@
+"""The GPU check: every trainer on one CUDA GPU, then grpo.py at 0.5B scale with and without FSDP2.
+
+    python benchmarks/gpu_check.py             # one CUDA GPU, about 5 minutes; writes benchmarks/gpu_check.md
+    python benchmarks/gpu_check.py --dry-run   # the same commands on CPU at toy sizes (checks this script)
+
+Part 1 runs each trainer's short configuration with `--device cuda` on the embedded testbed (the cached testbed
+models; nothing is downloaded) and reports whether it finished, its last logged reward and held-out accuracy, and
+peak GPU memory. Part 2 runs grpo.py on a Qwen2 with Qwen2.5-0.5B's body (hidden 896, 24 layers, 14 heads, random
+weights, the testbed's byte tokenizer, an eos it never samples so every completion runs to the cap): 16 prompts x
+8 samples x 128 new tokens, micro-batch 32, step time = median of the steps after the first. Configurations: the
+plain path in bfloat16 with our sampling loop (`hf`) and with `model.generate` (`hf_generate`), and `--fsdp` under
+torchrun with one rank (NCCL) with float32 master weights and `--fsdp-mixed-precision`. One GPU cannot show
+sharding's saving (docs/fsdp.md works it out per rank count); this checks that the FSDP2 path runs on CUDA/NCCL
+and what it costs on one device.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHORT = {
+    "grpo.py": ["--num-prompts", "8", "--group-size", "8", "--total-steps", "6", "--num-eval-problems", "32",
+                "--eval-samples", "0", "--eval-every", "0"],
+    "rloo_sec.py": ["--num-prompts", "8", "--group-size", "8", "--total-steps", "6", "--num-eval-problems", "32",
+                    "--eval-samples", "0", "--eval-every", "0"],
+    "oc_grpo.py": ["--num-prompts", "8", "--group-size", "8", "--total-steps", "6", "--num-eval-problems", "32",
+                   "--eval-samples", "0", "--eval-every", "0"],
+    "adakp.py": ["--num-prompts", "8", "--group-size", "8", "--total-steps", "6", "--num-eval-problems", "32",
+                 "--eval-samples", "0", "--eval-every", "0", "--num-train-problems", "64"],
+    "direct_opd.py": ["--num-prompts", "8", "--group-size", "4", "--total-steps", "6", "--num-eval-problems", "32",
+                      "--eval-samples", "0", "--eval-every", "0"],
+    "rlpf.py": ["--num-prompts", "2", "--group-size", "4", "--total-steps", "3", "--tasks", "sum_range",
+                "has_duplicate", "--eval-samples", "2", "--timing-repeats", "1"],
+    "ppo_slm.py": ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prompts", "16",
+                   "--num-prompts", "8", "--minibatch-size", "4", "--sft-steps", "20", "--rm-steps", "20",
+                   "--total-steps", "6"],
+    "mada_rl.py": ["--num-generators", "2", "--num-critics", "2", "--num-prompts", "4", "--group-size", "4",
+                   "--num-eval-problems", "24", "--num-train-problems", "80", "--generator-steps", "4",
+                   "--critic-steps", "4"],
+}
+REPORTED = ["reward/mean", "eval/greedy_accuracy", "perf/step_time", "perf/gen_tokens_per_s", "perf/peak_mem_gb",
+            "mada/eval/debate_accuracy", "rm/pair_accuracy"]
+
+
+def last_values(run_dir: str) -> dict:
+    """The last logged value of each reported metric in a run folder's metrics.jsonl (every run folder under it)."""
+    found = {}
+    for folder, _, files in os.walk(run_dir):
+        if "metrics.jsonl" in files:
+            for line in open(os.path.join(folder, "metrics.jsonl")):
+                row = json.loads(line)
+                found.update({k: row[k] for k in REPORTED if k in row})
+    return found
+
+
+def step_times(run_dir: str) -> list[dict]:
+    rows = []
+    for folder, _, files in os.walk(run_dir):
+        if "metrics.jsonl" in files:
+            rows += [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    return [r for r in rows if "perf/step_time" in r]
+
+
+def run(cmd: list[str], timeout: int, env: dict | None = None) -> tuple[int, float, str]:
+    start = time.time()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
+        rc, tail = r.returncode, (r.stdout + r.stderr)[-1500:]
+    except subprocess.TimeoutExpired as e:
+        rc, tail = 124, f"timed out after {timeout} s\n" + str(e.stdout or "")[-1000:]
+    return rc, time.time() - start, tail
+
+
+def count_parameters(folder: str) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return sum(p.numel() for p in model.parameters())
+
+
+def fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+    return str(x)
+
+
+def part1(device: str, out_dir: str, timeout: int) -> list[dict]:
+    results = []
+    for script, flags in SHORT.items():
+        run_dir = os.path.join(out_dir, script[:-3])
+        rc, wall, tail = run([sys.executable, script, *flags, "--device", device, "--output-dir", run_dir], timeout)
+        res = {"script": script, "rc": rc, "wall_s": round(wall, 1), **last_values(run_dir)}
+        if rc != 0:
+            res["error"] = tail
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    return results
+
+
+def part2(device: str, out_dir: str, timeout: int, dry_run: bool) -> list[dict]:
+    from benchmarks.bench_models import forced_length, random_model
+
+    model = forced_length(random_model(64, 2, 4) if dry_run else random_model(896, 24, 14))
+    prompts, group, tokens, steps = (2, 4, 8, 3) if dry_run else (16, 8, 128, 5)
+    base = ["grpo.py", "--model-name", model, "--device", device, "--num-prompts", str(prompts), "--group-size",
+            str(group), "--max-new-tokens", str(tokens), "--total-steps", str(steps), "--micro-batch-size", "32",
+            "--learning-rate", "1e-6", "--eval-every", "0", "--num-eval-problems", "0", "--eval-samples", "0"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    # (name, command, bytes of training state per parameter: weights + gradients + two AdamW moments)
+    configs = [("plain, bfloat16, hf (own loop)", [sys.executable, *base, "--dtype", "bfloat16"], 8),
+               ("plain, bfloat16, hf_generate", [sys.executable, *base, "--dtype", "bfloat16", "--rollout-backend",
+                                                 "hf_generate"], 8),
+               ("--fsdp, 1 rank, float32 + --fsdp-mixed-precision", [*torchrun, *base, "--fsdp",
+                                                                      "--fsdp-mixed-precision"], 16),
+               ("--fsdp, 1 rank, bfloat16", [*torchrun, *base, "--fsdp", "--dtype", "bfloat16"], 8)]
+    params = count_parameters(model)
+    results = []
+    for name, cmd, state_bytes in configs:
+        run_dir = os.path.join(out_dir, "scale-" + str(len(results)))
+        rc, wall, tail = run([*cmd, "--output-dir", run_dir], timeout)
+        rows = step_times(run_dir)[1:]  # the first step pays for allocation and kernel selection
+        res = {"config": name, "rc": rc, "wall_s": round(wall, 1), "steps_timed": len(rows), "params_m": params / 1e6,
+               "state_gb_on_paper": round(state_bytes * params / 2**30, 2)}
+        if rows:
+            for key, label in (("perf/step_time", "step_s"), ("time/generate", "generate_s"),
+                               ("time/update", "update_s"), ("perf/gen_tokens_per_s", "gen_tok_per_s")):
+                if key in rows[0]:
+                    res[label] = round(statistics.median(r[key] for r in rows), 3)
+            res["peak_mem_gb"] = round(max(r["perf/peak_mem_gb"] for r in rows), 2)
+            res["decode_ms_per_token"] = round(1000 * res.get("generate_s", 0) / tokens, 2)
+        if rc != 0:
+            res["error"] = tail
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    return results
+
+
+def write_report(path: str, header: str, smoke: list[dict], scale: list[dict]) -> None:
+    lines = ["# GPU check", "", header, "", "## Every trainer on the GPU (testbed, short runs)", "",
+             "| script | exit | wall (s) | last reward/mean | final greedy accuracy | peak GPU memory (GB) |",
+             "|---|---|---|---|---|---|"]
+    for r in smoke:
+        cells = [r["script"], r["rc"], r["wall_s"], r.get("reward/mean", ""), r.get("eval/greedy_accuracy", ""),
+                 r.get("perf/peak_mem_gb", "")]
+        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
+    lines += ["", "## grpo.py at 0.5B (16 prompts x 8 samples x 128 tokens; medians over steps 2..)", "",
+              "| configuration | exit | step (s) | generate (s) | update (s) | decode ms/token | gen tokens/s | "
+              "peak GPU memory (GiB) | training state on paper (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in scale:
+        cells = [r["config"], r["rc"]] + [r.get(k, "") for k in ("step_s", "generate_s", "update_s",
+                                                                   "decode_ms_per_token", "gen_tok_per_s",
+                                                                   "peak_mem_gb", "state_gb_on_paper")]
+        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
+    if scale:
+        lines += ["", f"The model has {scale[0]['params_m']:.0f} M parameters (the byte vocabulary makes it smaller "
+                  "than Qwen2.5-0.5B's 494 M); 'on paper' = (8 or 16 bytes) x parameters, without activations, "
+                  "logits or FSDP's transient gathered layers (docs/fsdp.md)."]
+    errors = [r for r in smoke + scale if "error" in r]
+    if errors:
+        lines += ["", "## Errors", ""]
+        for r in errors:
+            lines += [f"### {r.get('script', r.get('config'))}", "", "```", r["error"], "```", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check this script without a GPU")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "gpu_check.md"))
+    p.add_argument("--only", choices=["all", "smoke", "scale"], default="all")
+    p.add_argument("--timeout", type=int, default=150, help="seconds per command")
+    a = p.parse_args()
+    import torch
+
+    device = "cpu" if a.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA device; use --dry-run to check the script on CPU")
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run)"
+    header = (f"`python benchmarks/gpu_check.py`, {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, "
+              f"{'dry run at toy sizes' if a.dry_run else 'one GPU'}.")
+    print(header, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        smoke = part1(device, tmp, a.timeout) if a.only in ("all", "smoke") else []
+        scale = part2(device, tmp, a.timeout, a.dry_run) if a.only in ("all", "scale") else []
+    write_report(a.out, header, smoke, scale)
+    print(open(a.out).read())
+
+
+if __name__ == "__main__":
+    main()
