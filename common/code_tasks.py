@@ -265,9 +265,21 @@ def ensure_code_model(progress: bool = True) -> str:
     path = code_model_dir()
     done = os.path.join(path, "TESTBED_DONE.json")
     weights = os.path.join(path, "model.safetensors")
-    if os.path.exists(done) and os.path.exists(weights) and os.path.getsize(weights) > 0:
+    def built():
+        return os.path.exists(done) and os.path.exists(weights) and os.path.getsize(weights) > 0
+
+    if built():
         return path
-    shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
+    from common.testbed import build_lock
+
+    with build_lock(path):  # ranks or runs on a cold cache: the first builds, the others wait and load
+        if not built():
+            shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
+            _build_code_model(path, progress)
+    return path
+
+
+def _build_code_model(path: str, progress: bool) -> None:
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -323,4 +335,3 @@ def ensure_code_model(progress: bool = True) -> str:
         os.replace(tmp, path)
     except OSError:  # another process (a torchrun rank, a parallel test) finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
-    return path

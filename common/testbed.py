@@ -24,6 +24,7 @@ a hash of the recipe, and rebuilt when missing or corrupt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -321,6 +322,21 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
                      f"{r['target']} within {r['max_steps']} steps; the recipe in common/testbed.py needs changing")
 
 
+@contextlib.contextmanager
+def build_lock(path: str):
+    """An exclusive lock on `path`.lock while `path` is built: processes that need the same cache entry at once
+    (torchrun ranks, parallel test runs) wait for the first one's build instead of building side by side."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _is_valid(path: str, name: str) -> bool:
     try:
         with open(os.path.join(path, "TESTBED_DONE.json")) as f:
@@ -343,28 +359,31 @@ def ensure_testbed_model(name: str, progress: bool = True, seed: int = 0) -> str
     path = model_dir(name, seed)
     if _is_valid(path, name):
         return path
-    import torch
+    with build_lock(path):  # ranks or runs on a cold cache: the first builds, the others wait and load
+        if _is_valid(path, name):
+            return path
+        import torch
 
-    print(f"[testbed] building {name} into {path} (once; cached afterwards)")
-    if os.path.exists(path):
-        shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(cache_root(), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    threads = torch.get_num_threads()
-    tokenizer = build_tokenizer()
-    model = build_model(name, tokenizer, seed=seed)
-    steps = warm_start(model, tokenizer, name, seed=seed, progress=progress)
-    torch.set_num_threads(threads)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
-        json.dump(dict(name=name, recipe_hash=recipe_hash(name), recipe=RECIPES[name], seed=seed, warm_start_steps=steps), f)
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process finished first
+        print(f"[testbed] building {name} into {path} (once; cached afterwards)")
+        if os.path.exists(path):
+            shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        threads = torch.get_num_threads()
+        tokenizer = build_tokenizer()
+        model = build_model(name, tokenizer, seed=seed)
+        steps = warm_start(model, tokenizer, name, seed=seed, progress=progress)
+        torch.set_num_threads(threads)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
+            json.dump(dict(name=name, recipe_hash=recipe_hash(name), recipe=RECIPES[name], seed=seed, warm_start_steps=steps), f)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return path
 
 
 def problem_to_dict(p: Problem) -> dict:
@@ -421,6 +440,14 @@ def rft_improve(model, tokenizer, recipe: dict, progress: bool = True) -> list[f
     return kept_frac
 
 
+def _teacher_done(path: str, recipe: dict) -> bool:
+    try:
+        with open(os.path.join(path, "TEACHER_DONE.json")) as f:
+            return json.load(f).get("hash") == teacher_pair_hash(recipe)
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = True, build: bool = True):
     """(pre, post) folders of the default teacher pair: testbed-weak and testbed-weak improved by `recipe`
     (TEACHER_RFT by default) on its level. Cached under the testbed cache keyed by the recipe and testbed-weak's own
@@ -430,36 +457,35 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
     recipe = recipe or TEACHER_RFT
     pre = ensure_testbed_model("testbed-weak", progress=progress)
     path = os.path.join(cache_root(), f"testbed-weak-rft-{teacher_pair_hash(recipe)}")
-    try:
-        with open(os.path.join(path, "TEACHER_DONE.json")) as f:
-            if json.load(f).get("hash") == teacher_pair_hash(recipe):
-                return pre, path
-    except (OSError, ValueError):
-        pass
+    if _teacher_done(path, recipe):
+        return pre, path
     if not build:
         return None
-    shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[testbed] building the teacher pair's post model into {path} (once; cached afterwards)")
-    tokenizer = AutoTokenizer.from_pretrained(pre)
-    threads = torch.get_num_threads()
-    model = AutoModelForCausalLM.from_pretrained(pre, dtype=torch.float32)
-    test = make_suite("test", levels=(recipe["level"],), n_per_level=recipe["eval_problems"], seed=recipe["seed"])
-    before = greedy_accuracy(model, tokenizer, test)
-    kept_frac = rft_improve(model, tokenizer, recipe, progress)
-    after = greedy_accuracy(model, tokenizer, test)
-    torch.set_num_threads(threads)
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "TEACHER_DONE.json"), "w") as f:
-        json.dump(dict(hash=teacher_pair_hash(recipe), recipe=recipe, pre=pre, kept_frac=kept_frac,
-                       heldout_greedy_accuracy=dict(pre=before, post=after)), f, indent=2)
-    try:  # one atomic rename; never delete `path` here: another process may be loading from it right now
-        os.replace(tmp, path)
-    except OSError:  # another process finished first
+    with build_lock(path):  # ranks or runs on a cold cache: the first builds, the others wait and load
+        if _teacher_done(path, recipe):
+            return pre, path
+        shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
+        print(f"[testbed] building the teacher pair's post model into {path} (once; cached afterwards)")
+        tokenizer = AutoTokenizer.from_pretrained(pre)
+        threads = torch.get_num_threads()
+        model = AutoModelForCausalLM.from_pretrained(pre, dtype=torch.float32)
+        test = make_suite("test", levels=(recipe["level"],), n_per_level=recipe["eval_problems"], seed=recipe["seed"])
+        before = greedy_accuracy(model, tokenizer, test)
+        kept_frac = rft_improve(model, tokenizer, recipe, progress)
+        after = greedy_accuracy(model, tokenizer, test)
+        torch.set_num_threads(threads)
+        tmp = f"{path}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"[testbed] teacher pair: level-{recipe['level']} held-out greedy accuracy {before:.3f} -> {after:.3f}")
-    return pre, path
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "TEACHER_DONE.json"), "w") as f:
+            json.dump(dict(hash=teacher_pair_hash(recipe), recipe=recipe, pre=pre, kept_frac=kept_frac,
+                           heldout_greedy_accuracy=dict(pre=before, post=after)), f, indent=2)
+        try:  # one atomic rename; never delete `path` here: another process may be loading from it right now
+            os.replace(tmp, path)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"[testbed] teacher pair: level-{recipe['level']} held-out greedy accuracy {before:.3f} -> {after:.3f}")
+        return pre, path

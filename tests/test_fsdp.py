@@ -118,10 +118,6 @@ def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     """2 ranks, --fsdp: 2 steps, metrics logged once, a sharded checkpoint with each rank's shard file and a
     consolidated model.safetensors. grpo.py also with bf16 compute (--fsdp-mixed-precision) and a sharded
     reference model; direct_opd.py with its reference and both teachers sharded."""
-    if script == "rlpf.py":  # its model is built before the launch, as weak_model_dir is: two ranks building one
-        from common.code_tasks import ensure_code_model  # cache folder at once on a cold cache failed to load it
-
-        ensure_code_model(progress=False)
     flags = [weak_model_dir if f == "WEAK" else f for f in SMOKE[script]]
     r = _torchrun(script, *flags, "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "smoke")
     assert r.returncode == 0, _failure(r)

@@ -80,3 +80,27 @@ def test_warm_started_model_lands_in_the_calibrated_band(weak_model_dir):
     assert 0.35 <= acc[3] <= 0.70
     assert acc[1] >= 0.8 and acc[5] <= 0.1
     assert acc[1] > acc[3] > acc[4] >= acc[5]
+
+
+LOCK_WORKER = """
+import sys, time
+from common.testbed import build_lock
+with build_lock(sys.argv[1]):
+    start = time.time()
+    time.sleep(0.5)
+    print(start, time.time())
+"""
+
+
+def test_build_lock_lets_one_process_build_at_a_time(tmp_path):
+    """Processes that need the same cache entry at once (two torchrun ranks on a cold cache) build it one after
+    another: the second waits for the first, then finds the entry built."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen([sys.executable, "-c", LOCK_WORKER, str(tmp_path / "entry")], cwd=root,
+                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    spans = sorted(tuple(map(float, p.communicate(timeout=60)[0].split())) for p in procs)
+    assert all(p.returncode == 0 for p in procs)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # no two holders at once
