@@ -28,7 +28,7 @@ Left out: NEFTune, mixed precision in SFT/RM, the agentic extension, resume, rew
         --learning-rate 5e-6 --total-steps 250 --num-train-examples 10000 --sft-steps 6000 --sft-lr 2e-5 \\
         --rm-steps 2500 --rm-lr 1e-5     # SmolLM2-360M: --lora-target-modules q_proj v_proj o_proj gate_proj up_proj
     python ppo_slm.py --sft-adapter runs/X/sft_adapter --reward-model runs/X/reward_model   # PPO only
-    torchrun --nproc-per-node 8 ppo_slm.py --device cuda ...  # data parallel PPO; SFT and RM run on rank 0
+    torchrun --nproc-per-node 8 ppo_slm.py --device cuda --fsdp ...  # PPO sharded (FSDP2); SFT and RM on rank 0
 
 Shapes: B rows (one completion per prompt), T tokens per row, C completion tokens, V vocabulary.
 """
@@ -48,7 +48,8 @@ import tyro
 from tqdm import tqdm
 
 from common.data import load_problems, read_texts
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, refuse_fsdp
+from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, full_weights,
+                         init_distributed, local_part, shard_models)
 from common.logger import RunLogger
 from common.models import load_model, load_score_model, load_tokenizer, resolve_model
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, encode_pairs, position_ids, sequence_scores
@@ -79,7 +80,8 @@ class Args:
     ppo_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of policy and reference in PPO (float32 is the fix; bfloat16 reproduces the ratio overflow)"""
     fsdp: bool = False
-    """FSDP2 sharding (docs/fsdp.md); not supported: LoRA adapters merged in place"""
+    """FSDP2 sharding of PPO (docs/fsdp.md): policy (frozen base; its LoRA and value head train), reference and reward
+    model, per decoder layer; SFT and RM training run unsharded on rank 0"""
 
     # Model and data
     model_name: str = "testbed-weak"
@@ -341,7 +343,9 @@ def old_logprobs_values(policy, rollouts, args: Args, device: str) -> tuple[torc
 
 # Safety: rollback of non-finite weights, and the silent-freeze check
 def all_finite(params: dict) -> bool:
-    return all(torch.isfinite(p).all() for p in params.values())
+    """Whether every weight is finite on every rank (--fsdp: each rank checks its own shards)."""
+    n_bad = sum((~torch.isfinite(local_part(p))).sum().item() for p in params.values())
+    return all_reduce_sum(torch.tensor([float(n_bad)])).item() == 0
 
 
 def healthy_state(params: dict, optimizer) -> tuple[dict, dict]:
@@ -365,7 +369,8 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
         raise SystemExit("error: silent LoRA freeze: the policy has no trainable language-model parameters "
                          "(only the value head trains, so the policy can never change). Loading a PEFT adapter "
                          "with PeftModel.from_pretrained leaves it frozen; use --policy-init merge_reinit.")
-    moved = sum((p.detach() - before[n]).norm().item() ** 2 for n, p in lm_params.items()) ** 0.5
+    moved = all_reduce_sum(torch.tensor([sum((local_part(p.detach()) - local_part(before[n])).square().sum().item()
+                                             for n, p in lm_params.items())])).item() ** 0.5  # all ranks' shards
     if not moved > 0:
         raise SystemExit(f"error: silent LoRA freeze: {len(lm_params)} trainable LM tensors did not change in "
                          "the first PPO update (check the learning rate and that the LoRA receives gradients)")
@@ -434,8 +439,6 @@ def pair_accuracy(rm, tokenizer, pairs: list[Example]) -> float:
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 run on rank 0, the others wait
     rank, world, device = init_distributed(args.device)
-    refuse_fsdp(args, "ppo_slm.py", "its policy, reward model and value head are LoRA adapters merged and re-made "
-                "in place on shared bases, which this FSDP2 wrapping does not shard")
     if args.num_prompts % args.minibatch_size:
         raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
                          f"{args.minibatch_size}")
@@ -473,7 +476,8 @@ def main(args: Args) -> dict:
     policy.v_head = torch.nn.Linear(policy.config.hidden_size, 1).to(device)
     torch.nn.init.zeros_(policy.v_head.weight)
     torch.nn.init.zeros_(policy.v_head.bias)
-    policy.train()
+    broadcast_trainable(policy)  # the fresh LoRA draws from each rank's seed: rank 0's on every rank
+    policy, ref_model, rm = shard_models(args, policy.train(), ref_model, rm)  # --fsdp: FSDP2; otherwise unchanged
     trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     lm_params = {n: p for n, p in trainable.items() if not n.startswith("v_head")}
     optimizer = torch.optim.AdamW(trainable.values(), lr=args.learning_rate)
@@ -559,7 +563,7 @@ def main(args: Args) -> dict:
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
-                    skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
+                    skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum)
                     optimizer.zero_grad(set_to_none=True)
                     (loss * 0.0 if guarded else loss).backward()
                     all_reduce_grads(policy)
@@ -583,7 +587,8 @@ def main(args: Args) -> dict:
         # 6. Adaptive KL controller on the summed per-sequence KL to the reference
         kl_ref = all_reduce_mean({"k": kl_BC.sum(1).mean().item()})["k"]
         if args.adaptive_kl:
-            beta *= 1 + float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2)) * args.num_prompts * world / args.kl_horizon
+            beta *= 1 + float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2)) * args.num_prompts * world / \
+                args.kl_horizon
         if kl_ref < -50:
             stop = stop or f"stopping: KL to the reference is {kl_ref:.1f} < -50"
 
@@ -625,9 +630,11 @@ def main(args: Args) -> dict:
     final_eval["safety/rollbacks"] = rollbacks
     logger.log(step, final_eval)
     logger.close(plot=False)
+    trained = {n: t.cpu() for n, t in full_weights(policy) if "lora_" in n or n.startswith("v_head.")}  # all ranks
     if rank == 0:
-        policy.save_pretrained(os.path.join(run_dir, "ppo_adapter"))
-        torch.save(policy.v_head.state_dict(), os.path.join(run_dir, "ppo_adapter", "value_head.pt"))
+        policy.save_pretrained(os.path.join(run_dir, "ppo_adapter"), state_dict=trained)
+        torch.save({n[len("v_head."):]: t for n, t in trained.items() if n.startswith("v_head.")},
+                   os.path.join(run_dir, "ppo_adapter", "value_head.pt"))
         line = (f"RM score {sft_eval['eval/rm_score']:.3f} -> {final_eval['eval/rm_score']:.3f}, "
                 f"win rate over SFT (RM) {final_eval['eval/win_rate_rm']:.3f}")
         if is_testbed:
