@@ -48,8 +48,8 @@ import tyro
 from tqdm import tqdm
 
 from common.data import load_problems, read_texts
-from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, full_weights,
-                         init_distributed, local_part, shard_models)
+from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
+                         local_part, shard_models)
 from common.logger import RunLogger
 from common.models import load_model, load_score_model, load_tokenizer, resolve_model
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, encode_pairs, position_ids, sequence_scores
@@ -563,7 +563,7 @@ def main(args: Args) -> dict:
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
-                    skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum)
+                    skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
                     optimizer.zero_grad(set_to_none=True)
                     (loss * 0.0 if guarded else loss).backward()
                     all_reduce_grads(policy)
@@ -587,8 +587,7 @@ def main(args: Args) -> dict:
         # 6. Adaptive KL controller on the summed per-sequence KL to the reference
         kl_ref = all_reduce_mean({"k": kl_BC.sum(1).mean().item()})["k"]
         if args.adaptive_kl:
-            beta *= 1 + float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2)) * args.num_prompts * world / \
-                args.kl_horizon
+            beta *= 1 + float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2)) * args.num_prompts * world / args.kl_horizon
         if kl_ref < -50:
             stop = stop or f"stopping: KL to the reference is {kl_ref:.1f} < -50"
 
@@ -630,7 +629,8 @@ def main(args: Args) -> dict:
     final_eval["safety/rollbacks"] = rollbacks
     logger.log(step, final_eval)
     logger.close(plot=False)
-    trained = {n: t.cpu() for n, t in full_weights(policy) if "lora_" in n or n.startswith("v_head.")}  # all ranks
+    trained = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu()  # every rank: each gather a collective
+               for n, t in policy.state_dict().items() if "lora_" in n or n.startswith("v_head.")}
     if rank == 0:
         policy.save_pretrained(os.path.join(run_dir, "ppo_adapter"), state_dict=trained)
         torch.save({n[len("v_head."):]: t for n, t in trained.items() if n.startswith("v_head.")},
