@@ -15,34 +15,11 @@ its output is given by path (`--sft-adapter`, `--reward-model`):
           + c_v E_t[ max((V_t - R_t)^2, (clip(V_t, V_old - eps_v, V_old + eps_v) - R_t)^2) / 2 ]   (value)
     beta  <- beta * (1 + clip(KL / KL_target - 1, -0.2, 0.2) * batch / horizon)   (adaptive KL controller)
 
-The paper's three fixes for small models, all here:
-- silent LoRA freezing: the SFT adapter is merged into the base and a fresh LoRA (alpha = r, B = 0, so the
-  policy starts exactly at the SFT model) is attached for PPO; after the first update the script checks that
-  trainable LM parameters exist and moved, and exits with an explanation otherwise. `--policy-init
-  naive_adapter` loads the adapter the naive way (frozen) to reproduce the bug; the check catches it.
-- precision: policy, reference and value head are float32 in PPO; generation passes through a logits guard
-  (NaN/inf -> finite, clamp to [-100, 100]).
-- safety envelope: RM scores NaN/inf -> 0, running whitening and a 3-sigma clip; a ratio guard that zeroes the
-  policy and value loss of a mini-batch whose mean token ratio exceeds 5 (as TRL 0.9.6: the step is still taken);
-  rollback to the last healthy trainable weights and optimizer state when any becomes non-finite (5 at most).
-
-Embedded default (CPU, offline): base `testbed-weak`, level-3 sums (`Q:7+5+3+4\\nA:` -> `19`); a short LoRA SFT
-on the answers; preference pairs chosen = the correct answer, rejected = a corrupted one (near miss, far off,
-extra digit, dropped digit, trailing `+d`); one sample per prompt at temperature 1.3, so that the SFT policy
-sometimes writes what the RM learned to penalise. Win rate over the SFT policy is judged by the RM and by the
-exact-match verifier. Real-data setting of the paper: a Pythia or SmolLM2 id and a TinyStories-style text
-dataset (`--dataset roneneldan/TinyStories` or a local .jsonl/.txt): prompt = the first `--prompt-words` words,
-chosen = the next `--continuation-words`, rejected = those words shuffled, truncated to a quarter, or taken from
-another text; temperature 0.9, top-p 0.95, lr 5e-6 as in the paper.
-
-Left out, on purpose: NEFTune noise in SFT and mixed precision in SFT/RM (both only matter at scale), the
-per-turn agentic extension, checkpoint/resume (the stages are the checkpoints), and reward whitening across
-ranks (each rank whitens its own batch, as in TRL).
-
-Metrics: the shared names of docs/runs.md, with `reward/*` of the summed per-token reward (KL penalty + shaped score,
-after --whiten-rewards) and `train/accuracy` the verifier's; plus rm/*, loss/value, value/clip_frac, policy/kl_ref,
-kl/beta, eval/win_rate_* and safety/* (logit_fixes: non-finite logits replaced in generation; ratio_guard_skips:
-mini-batches whose loss the guard zeroed this step), each explained in docs/ppo_slm.md.
+The paper's three fixes for small models (docs/ppo_slm.md): the SFT adapter merged and a fresh LoRA (B = 0)
+attached, with a check that the first update moves it (`--policy-init naive_adapter` reproduces the silent freeze);
+PPO in float32 with a logits guard; a safety envelope (score whitening and clip, ratio guard, rollback). Default:
+testbed-weak on level-3 sums, rejected = a corrupted answer; or the paper's pairs from a TinyStories-style dataset.
+Left out: NEFTune, mixed precision in SFT/RM, the agentic extension, resume, reward whitening across ranks.
 
     python ppo_slm.py                                    # embedded CPU demo: testbed-weak, a few minutes
     python ppo_slm.py --model-name EleutherAI/pythia-410m-deduped --dataset roneneldan/TinyStories \\
@@ -51,7 +28,7 @@ mini-batches whose loss the guard zeroed this step), each explained in docs/ppo_
         --learning-rate 5e-6 --total-steps 250 --num-train-examples 10000 --sft-steps 6000 --sft-lr 2e-5 \\
         --rm-steps 2500 --rm-lr 1e-5     # SmolLM2-360M: --lora-target-modules q_proj v_proj o_proj gate_proj up_proj
     python ppo_slm.py --sft-adapter runs/X/sft_adapter --reward-model runs/X/reward_model   # PPO only
-    torchrun --nproc-per-node 8 ppo_slm.py --device cuda ...  # data parallel PPO; SFT and RM run on rank 0
+    torchrun --nproc-per-node 8 ppo_slm.py --device cuda --fsdp ...  # PPO sharded (FSDP2); SFT and RM on rank 0
 
 Shapes: B rows (one completion per prompt), T tokens per row, C completion tokens, V vocabulary.
 """
@@ -70,11 +47,12 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
-from common.data import fail, load_problems, read_json_records
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, refuse_fsdp
+from common.data import load_problems, read_texts
+from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
+                         local_part, shard_models)
 from common.logger import RunLogger
 from common.models import load_model, load_score_model, load_tokenizer, resolve_model
-from common.rollout import HFEngine, batched_logprobs, left_pad, position_ids
+from common.rollout import FiniteLogits, HFEngine, batched_logprobs, encode_pairs, position_ids, sequence_scores
 from common.run import rollout_perf_metrics, start_run, step_bar, timed, update_metrics
 from common.testbed import render_testbed_prompt
 from common.verifiers import score
@@ -102,7 +80,8 @@ class Args:
     ppo_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of policy and reference in PPO (float32 is the fix; bfloat16 reproduces the ratio overflow)"""
     fsdp: bool = False
-    """FSDP2 sharding (docs/fsdp.md); not supported: LoRA adapters merged in place"""
+    """FSDP2 sharding of PPO (docs/fsdp.md): policy (frozen base; its LoRA and value head train), reference and reward
+    model, per decoder layer; SFT and RM training run unsharded on rank 0"""
 
     # Model and data
     model_name: str = "testbed-weak"
@@ -225,8 +204,7 @@ class Example:
     prompt: str
     chosen: str
     rejected: str
-    problem: object = None
-    """the testbed Problem (verifiable), None for text"""
+    problem: object = None  # the testbed Problem (verifiable), None for text
 
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:
@@ -255,9 +233,8 @@ def build_examples(args: Args, split: str, n: int, seed: int) -> list[Example]:
         problems = load_problems("testbed", split, args.levels, n, seed)
         return [Example(render_testbed_prompt(p.question), p.answer, corrupt_answer(p.answer, rng), p)
                 for p in problems]
-    rows = read_texts(args.dataset, split, args.text_field, n)
     need = args.prompt_words + args.continuation_words
-    cuts = [t.split() for t in rows if len(t.split()) >= need]
+    cuts = [t.split() for t in read_texts(args.dataset, split, args.text_field, n) if len(t.split()) >= need]
     if len(cuts) < 2:
         raise SystemExit(f"error: {args.dataset!r} ({split}) has fewer than 2 texts with {need} words; "
                          f"lower --prompt-words / --continuation-words")
@@ -269,79 +246,6 @@ def build_examples(args: Args, split: str, n: int, seed: int) -> list[Example]:
                else other[args.prompt_words: need])  # shuffled / truncated / mismatched, as in the paper
         out.append(Example(prompt, " " + " ".join(cont), " " + " ".join(bad)))
     return out
-
-
-def read_texts(dataset: str, split: str, field: str, n: int) -> list[str]:
-    """Texts of a local .txt (one per line) / .jsonl file (every 10th held out) or of a HF dataset split."""
-    if os.path.exists(dataset):
-        if dataset.endswith((".jsonl", ".json")):
-            rows, where = read_json_records(dataset)
-            texts = []
-            for row, at in zip(rows, where):
-                if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                    fail(f"{at}: expected an object with a string field {field!r} (--text-field); got "
-                         f"{'an object with fields ' + str(sorted(row)) if isinstance(row, dict) else 'a list or value'}")
-                texts.append(row[field])
-        else:
-            try:
-                with open(dataset, encoding="utf-8") as f:
-                    texts = [ln.strip() for ln in f if ln.strip()]
-            except (UnicodeDecodeError, IsADirectoryError) as e:
-                fail(f"{dataset}: cannot read it as UTF-8 text lines ({type(e).__name__})")
-        texts = [t for i, t in enumerate(texts) if (i % 10 == 0) == (split != "train")]
-    else:
-        import datasets
-        try:
-            ds = datasets.load_dataset(dataset, split="train" if split == "train" else "validation")
-        except Exception as e:  # noqa: BLE001 - hub, disk and format errors all mean "cannot load"
-            fail(f"could not load dataset {dataset!r} (not a local file, and loading it by name failed: "
-                 f"{type(e).__name__})")
-        if field not in ds.column_names:
-            fail(f"dataset {dataset!r} has no field {field!r} (--text-field); fields are {ds.column_names}")
-        texts = ds[:n][field] if n else ds[field]
-    return texts[:n] if n else texts
-
-
-def encode_pairs(tokenizer, prompts: list[str], completions: list[str]):
-    """Left-padded [prompt | completion eos] ids, attention mask and completion mask (eos included)."""
-    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
-    ids_BT, attn_BT = left_pad([p + c + [tokenizer.eos_token_id] for p, c in zip(p_ids, c_ids)],
-                               tokenizer.pad_token_id)
-    comp_BT = torch.zeros_like(attn_BT)
-    for i, c in enumerate(c_ids):
-        comp_BT[i, ids_BT.shape[1] - len(c) - 1:] = 1
-    return ids_BT, attn_BT, comp_BT
-
-
-class FiniteLogits:
-    """Logits guard (a transformers LogitsProcessor): NaN -> -100, +-inf -> +-100, then clamp to [-100, 100]."""
-
-    def __init__(self, bound: float = 100.0):
-        self.bound, self.fixed = bound, 0
-
-    def __call__(self, input_ids, scores):
-        self.fixed += int((~torch.isfinite(scores)).sum())
-        return torch.nan_to_num(scores, nan=-self.bound, posinf=self.bound, neginf=-self.bound).clamp(
-            -self.bound, self.bound)
-
-
-def generate(model, tokenizer, prompt_ids: list[list[int]], args: Args, guard: FiniteLogits, greedy=False):
-    """One completion per prompt, every step's logits through the guard."""
-    return HFEngine(model, tokenizer, logits_guard=guard).generate(
-        prompt_ids, n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        greedy=greedy)
-
-
-@torch.no_grad()
-def rm_scores(rm, input_ids_BT, attention_mask_BT, pad_id: int, chunk: int = 64) -> torch.Tensor:
-    """Scalar RM score of each row, read at its last real token (rows are re-packed to left padding)."""
-    device = next(rm.parameters()).device
-    ids_BT, attn_BT = left_pad([row[m.bool()].tolist() for row, m in zip(input_ids_BT, attention_mask_BT)], pad_id)
-    out = [rm(input_ids=ids_BT[s:s + chunk].to(device), attention_mask=attn_BT[s:s + chunk].to(device),
-              position_ids=position_ids(attn_BT[s:s + chunk]).to(device)).logits[:, 0].float().cpu()
-           for s in range(0, len(ids_BT), chunk)]
-    return torch.cat(out)
 
 
 class RunningMoments:
@@ -390,14 +294,15 @@ def gae(rewards_BC, values_BC, mask_BC, gamma: float, lam: float):
     return adv_BC * mask_BC, (adv_BC + values_BC) * mask_BC
 
 
-def policy_forward(model, v_head, ids_BT, attn_BT, prompt_len: int, temperature: float):
-    """Completion-token log-probs (at the sampling temperature), values V_t and entropies (no grad)."""
+def policy_forward(model, ids_BT, attn_BT, prompt_len: int, temperature: float):
+    """Completion-token log-probs (at the sampling temperature), values V_t from the model's value head
+    (`model.v_head` on the last hidden state) and entropies (no grad)."""
     out = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT),
                 output_hidden_states=True, use_cache=False)
     logits_BCV = out.logits[:, prompt_len - 1:-1].float() / temperature
     lse_BC = logits_BCV.logsumexp(-1)
     logp_BC = logits_BCV.gather(-1, ids_BT[:, prompt_len:, None]).squeeze(-1) - lse_BC
-    values_BC = v_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()).squeeze(-1)
+    values_BC = model.v_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()).squeeze(-1)
     with torch.no_grad():
         entropy_BC = lse_BC - (logits_BCV.softmax(-1) * logits_BCV).sum(-1)
     return logp_BC, values_BC, entropy_BC
@@ -427,17 +332,20 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
 
 
 @torch.no_grad()
-def old_logprobs_values(policy, v_head, ro, args: Args, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def old_logprobs_values(policy, rollouts, args: Args, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and values of the rollouts under the policy that sampled them, minibatch_size rows at a time."""
-    parts = [policy_forward(policy, v_head, ro.input_ids_BT[r].to(device), ro.attention_mask_BT[r].to(device),
-                            ro.prompt_len, args.temperature)
-             for r in torch.arange(len(ro.input_ids_BT)).split(args.minibatch_size)]
-    mask_BC = ro.completion_mask_BC
+    parts = [policy_forward(policy, rollouts.input_ids_BT[r].to(device), rollouts.attention_mask_BT[r].to(device),
+                            rollouts.prompt_len, args.temperature)
+             for r in torch.arange(len(rollouts.input_ids_BT)).split(args.minibatch_size)]
+    mask_BC = rollouts.completion_mask_BC
     return torch.cat([p[0] for p in parts]).cpu() * mask_BC, torch.cat([p[1] for p in parts]).cpu() * mask_BC
 
 
+# Safety: rollback of non-finite weights, and the silent-freeze check
 def all_finite(params: dict) -> bool:
-    return all(torch.isfinite(p).all() for p in params.values())
+    """Whether every weight is finite on every rank (--fsdp: each rank checks its own shards)."""
+    n_bad = sum((~torch.isfinite(local_part(p))).sum().item() for p in params.values())
+    return all_reduce_sum(torch.tensor([float(n_bad)])).item() == 0
 
 
 def healthy_state(params: dict, optimizer) -> tuple[dict, dict]:
@@ -461,63 +369,62 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
         raise SystemExit("error: silent LoRA freeze: the policy has no trainable language-model parameters "
                          "(only the value head trains, so the policy can never change). Loading a PEFT adapter "
                          "with PeftModel.from_pretrained leaves it frozen; use --policy-init merge_reinit.")
-    moved = sum((p.detach() - before[n]).norm().item() ** 2 for n, p in lm_params.items()) ** 0.5
+    moved = all_reduce_sum(torch.tensor([sum((local_part(p.detach()) - local_part(before[n])).square().sum().item()
+                                             for n, p in lm_params.items())])).item() ** 0.5  # all ranks' shards
     if not moved > 0:
         raise SystemExit(f"error: silent LoRA freeze: {len(lm_params)} trainable LM tensors did not change in "
                          "the first PPO update (check the learning rate and that the LoRA receives gradients)")
     return moved
 
 
-# Stages 1 and 2: SFT adapter and reward model
-def train_sft(args: Args, base: str, tokenizer, examples: list[Example], out_dir: str, device: str) -> None:
-    from peft import LoraConfig, get_peft_model
-    model = get_peft_model(load_model(base, "float32", device), LoraConfig(
-        r=args.sft_lora_r, lora_alpha=2 * args.sft_lora_r, lora_dropout=0.0,
-        target_modules=list(args.lora_target_modules)))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.sft_lr)
-    rng = random.Random(args.seed)
-    for _ in tqdm(range(args.sft_steps), desc="sft", leave=False):
-        batch = rng.sample(examples, min(args.sft_batch_size, len(examples)))
-        ids_BT, attn_BT, comp_BT = encode_pairs(tokenizer, [e.prompt for e in batch], [e.chosen for e in batch])
-        loss = model(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
-                     position_ids=position_ids(attn_BT).to(device),
-                     labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
+# Stages 1 and 2: SFT adapter and reward model, both LoRA on a shared loop
+def fit_lora(model, examples: list[Example], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str):
+    """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `examples`."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    rng = random.Random(seed)
+    for _ in tqdm(range(steps), desc=desc, leave=False):
+        loss = loss_fn(rng.sample(examples, min(batch_size, len(examples))))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+
+
+def lora(args: Args, r: int, alpha: int, **kw):
+    from peft import LoraConfig
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(args.lora_target_modules), **kw)
+
+
+def train_sft(args: Args, base: str, tokenizer, examples: list[Example], out_dir: str, device: str) -> None:
+    """Stage 1: LoRA (alpha = 2r) on the chosen completions, next-token loss on the completion tokens."""
+    from peft import get_peft_model
+    model = get_peft_model(load_model(base, "float32", device), lora(args, args.sft_lora_r, 2 * args.sft_lora_r))
+
+    def loss_fn(batch):
+        ids_BT, attn_BT, comp_BT = encode_pairs(tokenizer, [e.prompt for e in batch], [e.chosen for e in batch])
+        return model(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
+                     position_ids=position_ids(attn_BT).to(device),
+                     labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
+
+    fit_lora(model, examples, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft")
     model.save_pretrained(out_dir)
-
-
-def merge_sft(base: str, adapter: str, out_dir: str, tokenizer) -> str:
-    """Base + SFT adapter, merged into plain weights (the start of merge-and-reinitialise)."""
-    from peft import PeftModel
-    merged = PeftModel.from_pretrained(load_model(base), adapter).merge_and_unload()
-    merged.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 def train_reward_model(args: Args, sft_dir: str, tokenizer, train: list[Example], out_dir: str, device: str):
     """Bradley-Terry RM initialised from the SFT backbone: -log sigmoid(r(x, y_w) - r(x, y_l))."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     rm = load_score_model(sft_dir)
     rm.config.pad_token_id = tokenizer.pad_token_id
-    rm = get_peft_model(rm, LoraConfig(task_type="SEQ_CLS", r=args.rm_lora_r, lora_alpha=2 * args.rm_lora_r,
-                                       lora_dropout=0.0, target_modules=list(args.lora_target_modules))).to(device)
-    opt = torch.optim.AdamW([p for p in rm.parameters() if p.requires_grad], lr=args.rm_lr)
-    rng = random.Random(args.seed + 1)
-    for _ in tqdm(range(args.rm_steps), desc="reward model", leave=False):
-        batch = rng.sample(train, min(args.rm_batch_size, len(train)))
+    rm = get_peft_model(rm, lora(args, args.rm_lora_r, 2 * args.rm_lora_r, task_type="SEQ_CLS")).to(device)
+
+    def loss_fn(batch):
         ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in batch] * 2,
                                           [e.chosen for e in batch] + [e.rejected for e in batch])
         r_2B = rm(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
                   position_ids=position_ids(attn_BT).to(device)).logits[:, 0]
-        loss = -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    rm = rm.merge_and_unload()
-    rm.save_pretrained(out_dir)
+        return -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
+
+    fit_lora(rm, train, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model")
+    rm.merge_and_unload().save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
 
@@ -525,30 +432,24 @@ def pair_accuracy(rm, tokenizer, pairs: list[Example]) -> float:
     """Fraction of held-out pairs where the RM scores the chosen completion above the rejected one."""
     ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in pairs] * 2,
                                       [e.chosen for e in pairs] + [e.rejected for e in pairs])
-    r_2B = rm_scores(rm, ids_BT, attn_BT, tokenizer.pad_token_id)
+    r_2B = sequence_scores(rm, ids_BT, attn_BT, tokenizer.pad_token_id)
     return (r_2B[: len(pairs)] > r_2B[len(pairs):]).float().mean().item()
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 run on rank 0, the others wait
     rank, world, device = init_distributed(args.device)
-    refuse_fsdp(args, "ppo_slm.py", "its policy, reward model and value head are LoRA adapters merged and re-made "
-                "in place on shared bases, which this FSDP2 wrapping does not shard")
     if args.num_prompts % args.minibatch_size:
         raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
                          f"{args.minibatch_size}")
     args.num_minibatches = args.num_prompts // args.minibatch_size
-    run_dir = start_run(args, rank)  # seeds, the run folder (rank 0's name on every rank)
+    run_dir = start_run(args, rank)
+    from peft import PeftModel, get_peft_model
     os.makedirs(run_dir, exist_ok=True)
-    from transformers import AutoModelForSequenceClassification
-    from peft import LoraConfig, PeftModel, get_peft_model
-
     base = resolve_model(args.model_name)
     tokenizer = load_tokenizer(base)
     train_ex = build_examples(args, "train", args.num_train_examples, args.seed)
     heldout = build_examples(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
-
-    # Stages 1 and 2 (rank 0; the others wait and load the results)
     t0 = time.time()
     sft_adapter = args.sft_adapter or os.path.join(run_dir, "sft_adapter")
     rm_dir = args.reward_model or os.path.join(run_dir, "reward_model")
@@ -556,28 +457,28 @@ def main(args: Args) -> dict:
     if rank == 0:
         if not args.sft_adapter:
             train_sft(args, base, tokenizer, train_ex, sft_adapter, device)
-        merge_sft(base, sft_adapter, sft_dir, tokenizer)
+        PeftModel.from_pretrained(load_model(base), sft_adapter).merge_and_unload().save_pretrained(sft_dir)
+        tokenizer.save_pretrained(sft_dir)  # merged SFT weights: the start of merge-and-reinitialise
         if not args.reward_model:
             train_reward_model(args, sft_dir, tokenizer, train_ex, rm_dir, device)
     if world > 1:
         dist.barrier()
     t_stages = time.time() - t0
-    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).to(device).eval()  # eval: no dropout
-    rm.requires_grad_(False)
-    rm_acc = pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
 
-    # Merge-and-reinitialise (or the naive load that freezes the LoRA); float32 unless --ppo-dtype says otherwise
+    # Stage 3 models: the RM (no dropout), the reference = merged SFT, the policy = merged SFT + a fresh LoRA (or the
+    # naive load that freezes the SFT adapter) with a zero value head, so that it starts exactly at the SFT model
+    rm = load_score_model(rm_dir).to(device).eval().requires_grad_(False)
     ref_model = load_model(sft_dir, args.ppo_dtype, device).eval().requires_grad_(False)
     if args.policy_init == "merge_reinit":
-        policy = get_peft_model(load_model(sft_dir, args.ppo_dtype, device), LoraConfig(
-            r=args.lora_r, lora_alpha=args.lora_r, lora_dropout=0.0, target_modules=list(args.lora_target_modules)))
+        policy = get_peft_model(load_model(sft_dir, args.ppo_dtype, device), lora(args, args.lora_r, args.lora_r))
     else:
         policy = PeftModel.from_pretrained(load_model(base, args.ppo_dtype, device), sft_adapter)
-    v_head = torch.nn.Linear(policy.config.hidden_size, 1).to(device)
-    torch.nn.init.zeros_(v_head.weight)  # V = 0 at the start; the policy starts exactly at the SFT model
-    torch.nn.init.zeros_(v_head.bias)
-    actor_critic = torch.nn.ModuleDict({"policy": policy, "v_head": v_head}).train()
-    trainable = {n: p for n, p in actor_critic.named_parameters() if p.requires_grad}
+    policy.v_head = torch.nn.Linear(policy.config.hidden_size, 1).to(device)
+    torch.nn.init.zeros_(policy.v_head.weight)
+    torch.nn.init.zeros_(policy.v_head.bias)
+    broadcast_trainable(policy)  # the fresh LoRA draws from each rank's seed: rank 0's on every rank
+    policy, ref_model, rm = shard_models(args, policy.train(), ref_model, rm)  # --fsdp: FSDP2; otherwise unchanged
+    trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     lm_params = {n: p for n, p in trainable.items() if not n.startswith("v_head")}
     optimizer = torch.optim.AdamW(trainable.values(), lr=args.learning_rate)
     healthy = healthy_state(trainable, optimizer)
@@ -587,25 +488,29 @@ def main(args: Args) -> dict:
     eval_ex = heldout[: args.num_eval_prompts]
     eval_ids = tokenizer([e.prompt for e in eval_ex], add_special_tokens=False)["input_ids"]
 
-    def run_eval(model) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    def generate(model, prompt_ids, guard, greedy=False):  # one completion per prompt, logits through the guard
+        return HFEngine(model, tokenizer, logits_guard=guard).generate(
+            prompt_ids, n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+            greedy=greedy)
+
+    def run_eval(model) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
         """RM score and verifier correctness of one sample per held-out prompt, and greedy accuracy."""
-        ro = generate(model, tokenizer, eval_ids, args, FiniteLogits())
-        s_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
-        out = {"eval/rm_score": s_B.mean().item()}
-        c_B = torch.zeros_like(s_B)
+        rollouts = generate(model, eval_ids, FiniteLogits())
+        s_B = sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
+        out, c_B = {"eval/rm_score": s_B.mean().item()}, None
         if is_testbed:
-            c_B = verify(ro.texts, eval_ex)
+            c_B = verify(rollouts.texts, eval_ex)
             out["eval/sampled_accuracy"] = c_B.mean().item()
-            out["eval/greedy_accuracy"] = verify(
-                generate(model, tokenizer, eval_ids, args, FiniteLogits(), greedy=True).texts, eval_ex).mean().item()
+            out["eval/greedy_accuracy"] = verify(generate(model, eval_ids, FiniteLogits(), greedy=True).texts,
+                                                 eval_ex).mean().item()
         return out, s_B, c_B
 
+    rm_acc = pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
     sft_eval, sft_s_B, sft_c_B = run_eval(ref_model)
-    first = {"rm/pair_accuracy": rm_acc, "time/stages": t_stages, **sft_eval}
-    logger.log(0, first)
+    first_eval = {"rm/pair_accuracy": rm_acc, "time/stages": t_stages, **sft_eval}
+    logger.log(0, first_eval)
     if rank == 0:
         print(f"reward model held-out pair accuracy {rm_acc:.3f} ({t_stages:.0f} s for SFT + RM)")
-
     rollbacks, checked, metrics, step = 0, False, {}, 0
     bar = step_bar(args, 0, rank)
     for step in bar:
@@ -615,25 +520,25 @@ def main(args: Args) -> dict:
         prompt_ids = tokenizer([e.prompt for e in batch_ex], add_special_tokens=False)["input_ids"]
         fixes0 = guard.fixed
         with timed(times, "generate"):
-            ro = generate(policy, tokenizer, prompt_ids, args, guard)
+            rollouts = generate(policy, prompt_ids, guard)
 
         # 2. Reward-model scores (plus --rm-noise-std noise), then NaN/inf -> 0, whitening, 3-sigma clip
         with timed(times, "score"):
-            raw_B = rm_scores(rm, ro.input_ids_BT, ro.attention_mask_BT, tokenizer.pad_token_id)
+            raw_B = sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
             raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
             scores_B, n_bad = shape_scores(raw_B, moments, args)
-            correct_B = verify(ro.texts, batch_ex) if is_testbed else None
+            correct_B = verify(rollouts.texts, batch_ex) if is_testbed else None
 
         # 3. Old log-probs and values, reference log-probs (no grad)
-        mask_BC, ids_BT, attn_BT = ro.completion_mask_BC, ro.input_ids_BT, ro.attention_mask_BT
+        mask_BC, ids_BT, attn_BT = rollouts.completion_mask_BC, rollouts.input_ids_BT, rollouts.attention_mask_BT
         with timed(times, "logprobs"):
-            old_logp_BC, values_BC = old_logprobs_values(policy, v_head, ro, args, device)
-            ref_logp_BC = batched_logprobs(ref_model, ro, args.temperature, args.minibatch_size)
+            old_logp_BC, values_BC = old_logprobs_values(policy, rollouts, args, device)
+            ref_logp_BC = batched_logprobs(ref_model, rollouts, args.temperature, args.minibatch_size)
 
         # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages
         kl_BC = (old_logp_BC - ref_logp_BC) * mask_BC
         rewards_BC = -beta * kl_BC
-        rewards_BC[torch.arange(len(scores_B)), ro.lengths_B - 1] += scores_B
+        rewards_BC[torch.arange(len(scores_B)), rollouts.lengths_B - 1] += scores_B
         if args.whiten_rewards:
             rewards_BC = masked_whiten(rewards_BC, mask_BC, shift_mean=False)
         adv_BC, returns_BC = gae(rewards_BC, values_BC, mask_BC, args.gamma, args.lam)
@@ -641,15 +546,15 @@ def main(args: Args) -> dict:
         batch = dict(mask_BC=mask_BC, adv_BC=adv_BC, returns_BC=returns_BC, values_BC=values_BC,
                      old_logp_BC=old_logp_BC)
 
-        # 5. Update: ppo_epochs x num_minibatches, with the ratio guard and the rollback after the step
+        # 5. Update: ppo_epochs x num_minibatches optimizer steps, with the ratio guard
         with timed(times, "update"):
             before = {n: p.detach().clone() for n, p in lm_params.items()}
             sums, grad_norms, skips, max_ratio, n_updates = {}, [], 0, 0.0, 0
             for _ in range(args.ppo_epochs):
                 for rows in torch.randperm(args.num_prompts).split(args.minibatch_size):
-                    n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))
+                    n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))  # all ranks' tokens
                     logp_BC, new_values_BC, entropy_BC = policy_forward(
-                        policy, v_head, ids_BT[rows].to(device), attn_BT[rows].to(device), ro.prompt_len,
+                        policy, ids_BT[rows].to(device), attn_BT[rows].to(device), rollouts.prompt_len,
                         args.temperature)
                     loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
                     stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
@@ -661,12 +566,12 @@ def main(args: Args) -> dict:
                     skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
                     optimizer.zero_grad(set_to_none=True)
                     (loss * 0.0 if guarded else loss).backward()
-                    all_reduce_grads(actor_critic)
+                    all_reduce_grads(policy)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
                     optimizer.step()
                     n_updates += not guarded
 
-        # Safety: roll back non-finite weights; check once that the LoRA is not silently frozen
+        # Safety: roll back non-finite weights (to the last healthy ones); check once that the LoRA is not frozen
         stop, finite = "", all_finite(trainable)
         if args.rollback and not finite:
             roll_back(trainable, optimizer, healthy)
@@ -686,7 +591,8 @@ def main(args: Args) -> dict:
         if kl_ref < -50:
             stop = stop or f"stopping: KL to the reference is {kl_ref:.1f} < -50"
 
-        # TRY NOT TO MODIFY: metrics; loss/* are means over optimizer steps, the other sums are over tokens
+        # TRY NOT TO MODIFY: metrics (docs/runs.md, docs/ppo_slm.md); loss/* are means over optimizer steps, the
+        # other sums are over tokens
         total_B, finite_raw = (rewards_BC * mask_BC).sum(1), raw_B[torch.isfinite(raw_B)]
         metrics = {
             "reward/mean": total_B.mean().item(), "reward/std": total_B.std(unbiased=False).item(),
@@ -698,7 +604,7 @@ def main(args: Args) -> dict:
             "policy/kl_ref": kl_ref, "kl/beta": beta,
             "safety/nonfinite_scores": n_bad, "safety/logit_fixes": guard.fixed - fixes0,
             "safety/max_ratio": max_ratio, "safety/ratio_guard_skips": skips, "safety/rollbacks": rollbacks,
-            **rollout_perf_metrics(ro, times, args.ppo_epochs, device),
+            **rollout_perf_metrics(rollouts, times, args.ppo_epochs, device),
         }
         if correct_B is not None:
             metrics["train/accuracy"] = correct_B.mean().item()
@@ -710,28 +616,32 @@ def main(args: Args) -> dict:
                 print(stop)
             break
 
-    # Final evaluation against the SFT samples on the same prompts, and the PPO adapter + value head
-    if args.rollback:  # never save or evaluate non-finite weights
+    # Final evaluation against the SFT samples on the same prompts (never of non-finite weights); the PPO adapter and
+    # the value head are saved
+    if args.rollback:
         roll_back(trainable, None, healthy)
-    final, s_B, c_B = run_eval(policy)
-    final["eval/win_rate_rm"] = ((s_B > sft_s_B).float() + 0.5 * (s_B == sft_s_B).float()).mean().item()
+    final_eval, s_B, c_B = run_eval(policy)
+    final_eval["eval/win_rate_rm"] = ((s_B > sft_s_B).float() + 0.5 * (s_B == sft_s_B).float()).mean().item()
     delta, spread = (s_B.mean() - sft_s_B.mean()).item(), math.sqrt(s_B.var().item() + sft_s_B.var().item())
-    final["eval/win_rate_rm_analytic"] = 0.5 * (1 + math.erf(delta / max(spread, 1e-12) / math.sqrt(2)))
+    final_eval["eval/win_rate_rm_analytic"] = 0.5 * (1 + math.erf(delta / max(spread, 1e-12) / math.sqrt(2)))
     if is_testbed:
-        final["eval/win_rate_verifier"] = ((c_B > sft_c_B).float() + 0.5 * (c_B == sft_c_B).float()).mean().item()
-    final["safety/rollbacks"] = rollbacks
-    logger.log(step, final)
+        final_eval["eval/win_rate_verifier"] = ((c_B > sft_c_B).float() + 0.5 * (c_B == sft_c_B).float()).mean().item()
+    final_eval["safety/rollbacks"] = rollbacks
+    logger.log(step, final_eval)
     logger.close(plot=False)
+    trained = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu()  # every rank: each gather a collective
+               for n, t in policy.state_dict().items() if "lora_" in n or n.startswith("v_head.")}
     if rank == 0:
-        policy.save_pretrained(os.path.join(run_dir, "ppo_adapter"))
-        torch.save(v_head.state_dict(), os.path.join(run_dir, "ppo_adapter", "value_head.pt"))
-        line = (f"RM score {sft_eval['eval/rm_score']:.3f} -> {final['eval/rm_score']:.3f}, "
-                f"win rate over SFT (RM) {final['eval/win_rate_rm']:.3f}")
+        policy.save_pretrained(os.path.join(run_dir, "ppo_adapter"), state_dict=trained)
+        torch.save({n[len("v_head."):]: t for n, t in trained.items() if n.startswith("v_head.")},
+                   os.path.join(run_dir, "ppo_adapter", "value_head.pt"))
+        line = (f"RM score {sft_eval['eval/rm_score']:.3f} -> {final_eval['eval/rm_score']:.3f}, "
+                f"win rate over SFT (RM) {final_eval['eval/win_rate_rm']:.3f}")
         if is_testbed:
-            line += (f", verifier win rate {final['eval/win_rate_verifier']:.3f}, greedy accuracy "
-                     f"{sft_eval['eval/greedy_accuracy']:.3f} -> {final['eval/greedy_accuracy']:.3f}")
+            line += (f", verifier win rate {final_eval['eval/win_rate_verifier']:.3f}, greedy accuracy "
+                     f"{sft_eval['eval/greedy_accuracy']:.3f} -> {final_eval['eval/greedy_accuracy']:.3f}")
         print(f"{line}; run folder {run_dir}")
-    return {"rm_accuracy": rm_acc, "before": first, "after": final, "last": metrics, "steps": step,
+    return {"rm_accuracy": rm_acc, "before": first_eval, "after": final_eval, "last": metrics, "steps": step,
             "rollbacks": rollbacks, "run_dir": run_dir, "sft_adapter": sft_adapter, "reward_model": rm_dir}
 
 

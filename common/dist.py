@@ -201,3 +201,20 @@ def refuse_fsdp(args, script: str, reason: str) -> None:
     if getattr(args, "fsdp", False):
         raise SystemExit(f"error: --fsdp is not supported by {script}: {reason}; run it without --fsdp "
                          "(every rank holds the whole model)")
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP2 (DTensor) parameter, a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def broadcast_trainable(model) -> None:
+    """Give every rank rank 0's values of the trainable parameters (a freshly initialised adapter or head draws
+    different values from each rank's seed); call before `shard_models`. Nothing to do on one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            dist.broadcast(p.data, src=0)

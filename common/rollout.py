@@ -515,3 +515,46 @@ def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int 
     return Rollouts(torch.cat([ids_BL, comp_BC], 1), torch.cat([mask_BL, mask_BC.long()], 1), mask_BC,
                     ids_BL.shape[1], [c[1] for c in completions], mask_BC.sum(1).long(),
                     torch.tensor([c[2] for c in completions], dtype=torch.bool))
+
+
+def encode_pairs(tokenizer, prompts: list[str], completions: list[str]):
+    """Left-padded rows [prompt | completion eos] of texts: ids, attention mask and completion mask (eos included).
+
+    >>> from common.testbed import build_tokenizer
+    >>> ids_BT, attn_BT, comp_BT = encode_pairs(build_tokenizer(), ["ab", "a"], ["c", "cd"])
+    >>> attn_BT.tolist(), comp_BT.tolist()
+    ([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 1, 1], [0, 1, 1, 1]])
+    """
+    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    ids_BT, attn_BT = left_pad([p + c + [tokenizer.eos_token_id] for p, c in zip(p_ids, c_ids)],
+                               tokenizer.pad_token_id)
+    comp_BT = torch.zeros_like(attn_BT)
+    for i, c in enumerate(c_ids):
+        comp_BT[i, ids_BT.shape[1] - len(c) - 1:] = 1
+    return ids_BT, attn_BT, comp_BT
+
+
+@torch.no_grad()
+def sequence_scores(model, input_ids_BT, attention_mask_BT, pad_id: int, chunk: int = 64) -> torch.Tensor:
+    """The scalar of a sequence-classification model (a reward model) for each row, read at its last real token;
+    rows are re-packed to left padding and scored `chunk` at a time."""
+    device = next(model.parameters()).device
+    ids_BT, attn_BT = left_pad([row[m.bool()].tolist() for row, m in zip(input_ids_BT, attention_mask_BT)], pad_id)
+    out = [model(input_ids=ids_BT[s:s + chunk].to(device), attention_mask=attn_BT[s:s + chunk].to(device),
+                 position_ids=position_ids(attn_BT[s:s + chunk]).to(device)).logits[:, 0].float().cpu()
+           for s in range(0, len(ids_BT), chunk)]
+    return torch.cat(out)
+
+
+class FiniteLogits:
+    """A logits guard for HFEngine (a transformers LogitsProcessor too): NaN -> -bound, +-inf -> +-bound, then clamp
+    to [-bound, bound]; `fixed` counts the non-finite logits it replaced."""
+
+    def __init__(self, bound: float = 100.0):
+        self.bound, self.fixed = bound, 0
+
+    def __call__(self, input_ids, scores):
+        self.fixed += int((~torch.isfinite(scores)).sum())
+        return torch.nan_to_num(scores, nan=-self.bound, posinf=self.bound, neginf=-self.bound).clamp(
+            -self.bound, self.bound)

@@ -110,6 +110,9 @@ SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its 
     "rlpf.py": ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "24", "--tasks", "sum_range",
                 "--eval-samples", "0", "--eval-every", "0", "--timing-repeats", "1", "--fsdp"],
     "direct_opd.py": [*TINY, "--model-name", "WEAK", "--teacher-pre", "WEAK", "--teacher-post", "WEAK"],
+    "ppo_slm.py": ["--model-name", "WEAK", "--num-train-examples", "32", "--num-eval-pairs", "8", "--num-eval-prompts",
+                   "8", "--num-prompts", "4", "--minibatch-size", "2", "--max-new-tokens", "4", "--sft-steps", "2",
+                   "--sft-batch-size", "4", "--rm-steps", "2", "--rm-batch-size", "4", "--fsdp"],
 }
 
 
@@ -117,18 +120,26 @@ SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its 
 def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     """2 ranks, --fsdp: 2 steps, metrics logged once, a sharded checkpoint with each rank's shard file and a
     consolidated model.safetensors. grpo.py also with bf16 compute (--fsdp-mixed-precision) and a sharded
-    reference model; direct_opd.py with its reference and both teachers sharded."""
+    reference model; direct_opd.py with its reference and both teachers sharded; ppo_slm.py (SFT and RM on rank 0,
+    then PPO with the policy, reference and reward model sharded) has no checkpoint but its PPO adapter and value
+    head, gathered to rank 0."""
     flags = [weak_model_dir if f == "WEAK" else f for f in SMOKE[script]]
     r = _torchrun(script, *flags, "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "smoke")
     assert r.returncode == 0, _failure(r)
     rows = _rows(tmp_path / "smoke")
     assert sorted(rows) == [1, 2] and all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows.values())
+    if script == "ppo_slm.py":
+        adapter = tmp_path / "smoke" / "ppo_adapter"
+        hidden = json.loads((tmp_path / "smoke" / "sft_merged" / "config.json").read_text())["hidden_size"]
+        assert torch.load(adapter / "value_head.pt")["weight"].shape == (1, hidden)  # whole, not rank 0's shard
+        assert os.path.exists(adapter / "adapter_model.safetensors")
+        return
     ckpt = tmp_path / "smoke" / "checkpoint"
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "sharded"))
     assert os.path.exists(ckpt / "model.safetensors")
 
 
-@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "ppo_slm", "mada_rl"])
+@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "mada_rl"])
 def test_trainers_that_cannot_shard_say_so(tmp_path, trainer):
     import importlib
 
@@ -150,3 +161,29 @@ def test_mixed_precision_without_fsdp_is_refused_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: --fsdp-mixed-precision .* needs --fsdp"):
         grpo.main(args)
     assert os.listdir(tmp_path) == []
+
+
+def test_ppo_slm_fsdp_update_and_rollback_equal_the_plain_path(tmp_path, weak_model_dir):
+    """ppo_slm.py on 2 ranks, 3 PPO steps with --fsdp and without (same stages and seeds; tests/ppo_slm_fsdp_check.py):
+    an inf written into rank 0's shard of one LoRA weight after step 2 is seen by both ranks and rolled back (weights
+    and AdamW state), and the final LoRA adapters and value heads agree within 1e-5; each rank held half of the
+    policy's parameters (the frozen base too)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out.json"
+    r = _torchrun("tests/ppo_slm_fsdp_check.py", weak_model_dir, str(tmp_path), str(out))
+    assert r.returncode == 0, _failure(r)
+    res = json.loads(out.read_text())
+    for name in ("fsdp", "plain"):
+        assert [row["safety/rollbacks"] for row in res[name]["rows"]] == [0, 1, 1] and res[name]["rollbacks"] == 1
+    for a, b in zip(res["fsdp"]["rows"], res["plain"]["rows"]):
+        assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-5)
+        assert a["loss/value"] == pytest.approx(b["loss/value"], rel=1e-5, abs=1e-7)
+    held = res["fsdp"]["held"]
+    assert abs(held["local"] - held["total"] / 2) < held["total"] * 0.01
+    adapters = [load_file(os.path.join(res[n]["run_dir"], "ppo_adapter", "adapter_model.safetensors"))
+                for n in ("fsdp", "plain")]
+    assert max((adapters[0][k] - adapters[1][k]).abs().max().item() for k in adapters[1]) < 1e-5
+    assert max(t.abs().max().item() for k, t in adapters[1].items() if "lora_B" in k) > 1e-4  # B = 0 has moved
+    heads = [torch.load(os.path.join(res[n]["run_dir"], "ppo_adapter", "value_head.pt")) for n in ("fsdp", "plain")]
+    assert all((heads[0][k] - heads[1][k]).abs().max().item() < 1e-5 for k in heads[1])

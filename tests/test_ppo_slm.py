@@ -41,10 +41,10 @@ def inject_faults(mp, nonfinite_scores: float = 0.0, inf_weight_step: int = 0, r
         return shape_scores(raw_B.masked_fill(hit_B, float("nan")).masked_fill(hit_B & odd_B, float("inf")), moments,
                             args)
 
-    def faulty_old_logprobs(policy, v_head, ro, args, device):
+    def faulty_old_logprobs(policy, rollouts, args, device):
         calls["old"] += 1  # once per step
-        old_logp_BC, values_BC = old_logprobs_values(policy, v_head, ro, args, device)
-        return old_logp_BC - 5.0 * ro.completion_mask_BC * (calls["old"] == ratio_step), values_BC
+        old_logp_BC, values_BC = old_logprobs_values(policy, rollouts, args, device)
+        return old_logp_BC - 5.0 * rollouts.completion_mask_BC * (calls["old"] == ratio_step), values_BC
 
     def finite_after_fault(params):
         calls["finite"] += 1  # once per step, right after the update
