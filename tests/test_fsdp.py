@@ -24,12 +24,14 @@ def _torchrun(*cmd, env=None, timeout=300):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec"])
+@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo"])
 def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir, trainer):
     """Two optimizer steps (clipping active, AdamW, reference model sharded too) on one global batch of 4 groups of
     4: each rank's half through FSDP2 gives the weights of one unsharded model on the whole batch; each rank holds
     half of the parameters; greedy generation from the sharded model matches the unsharded one. The plain
-    data-parallel path (bucketed all-reduce) gives the same weights too."""
+    data-parallel path (bucketed all-reduce) gives the same weights too. oc_grpo: its context-shift weights from
+    hint passes that differ in number between ranks (4 and 8 guided rows, padded) equal the unsharded ones, and a
+    guidance cascade with problems on one rank only runs as many generations on the other."""
     out = tmp_path / "out.json"
     r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
     if r.returncode != 0 and "exitcode: -" in r.stderr:
@@ -45,6 +47,12 @@ def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir
         assert abs(res["local_numel"] - res["total_numel"] / 2) < res["total_numel"] * 0.01
         assert res["texts_equal"]
         assert res["bucketed_dp_weight_diff"] < 1e-5  # the plain path, its gradients all-reduced in 64 KB buckets
+    if trainer == "oc_grpo":
+        rank0, rank1 = json.loads(out.read_text())
+        assert (rank0["hint_rows"], rank1["hint_rows"]) == (4, 8)
+        assert max(rank0["hint_weight_diff"], rank1["hint_weight_diff"]) < 1e-5
+        assert min(rank0["hint_weight_min"], rank1["hint_weight_min"]) < 0.99  # the weights are not all 1
+        assert rank0["cascade_generations"] == rank1["cascade_generations"] >= 1
 
 
 TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
@@ -106,6 +114,7 @@ def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_pat
 
 SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its sandbox; direct_opd: teachers given)
     "rloo_sec.py": [*TINY],
+    "oc_grpo.py": [*TINY, "--levels", "4", "--group-size", "4", "--micro-batch-size", "1"],
     "grpo.py": [*TINY, "--fsdp-mixed-precision", "--beta", "0.05"],
     "rlpf.py": ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "24", "--tasks", "sum_range",
                 "--eval-samples", "0", "--eval-every", "0", "--timing-repeats", "1", "--fsdp"],
@@ -132,7 +141,7 @@ def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     assert os.path.exists(ckpt / "model.safetensors")
 
 
-@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "ppo_slm", "mada_rl"])
+@pytest.mark.parametrize("trainer", ["adakp", "ppo_slm", "mada_rl"])
 def test_trainers_that_cannot_shard_say_so(tmp_path, trainer):
     import importlib
 
