@@ -66,7 +66,7 @@ import tyro
 
 from common.args import TrainArgs, check_at_least
 from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, refuse_fsdp
+from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
 from common.evaluate import evaluate
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
@@ -313,35 +313,39 @@ def probe_entropy(model, contexts: list[list[int]], probes: list[list[int]], pad
                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """H_bar of each context: the mean next-token entropy over its probe continuation, teacher-forced, all rows in
     one no-grad forward (one per `batch_size` rows). Returns (H_bar_N, bound_N, eps_N, forwards): the mean
-    per-position truncation bound and tail mass of each row, and how many forwards it took."""
+    per-position truncation bound and tail mass of each row, and how many forwards it took. Under --fsdp every rank
+    runs as many rows as the busiest one (each forward is a collective): one-token padding rows, discarded."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    rows = attach(contexts, [(z, "", False) for z in probes], pad_id)
+    n = len(contexts)
+    pad = max_over_ranks(n, model) - n
+    rows = attach(contexts + [[pad_id]] * pad, [(z, "", False) for z in probes] + [([pad_id], "", False)] * pad, pad_id)
     out, passes = [], 0
-    for s in range(0, len(contexts), batch_size):
+    for s in range(0, n + pad, batch_size):
         ids, attn = rows.input_ids_BT[s : s + batch_size].to(device), rows.attention_mask_BT[s : s + batch_size].to(device)
         logits_BCV = completion_logits(model, ids, attn, rows.prompt_len)[..., :vocab]  # padded head rows dropped
         out.append([x.cpu() for x in truncated_entropy(logits_BCV, top_k)])
         passes += 1
     model.train(was_training)
-    mask_BC = rows.completion_mask_BC
+    mask_BC = rows.completion_mask_BC[:n]
     n_B = mask_BC.sum(1).clamp(min=1)
-    h_BC, b_BC, e_BC = (torch.cat(x) for x in zip(*out))
+    h_BC, b_BC, e_BC = (torch.cat(x)[:n] for x in zip(*out))
     return (h_BC * mask_BC).sum(1) / n_B, (b_BC * mask_BC).sum(1) / n_B, (e_BC * mask_BC).sum(1) / n_B, passes
 
 
-def greedy_select(entropy_fn, num_kps: list[int], budgets: list[int], delta: float):
+def greedy_select(entropy_fn, num_kps: list[int], budgets: list[int], delta: float, model=None):
     """Greedy interaction-aware KP subsets for several problems at once. `entropy_fn(requests)` maps a list of
     (problem j, subset as a list of KP indices) to their H_bar values (and bounds), scored together. Each round
     asks for S_j and every S_j + k of each problem j still growing, then adds argmax_k score(k | S_j) =
     H_bar(S_j) - H_bar(S_j + k) if it is >= delta and |S_j| < budget_j. Returns (subsets, the score of each chosen
-    KP when it was added, the largest truncation bound seen per problem, the number of rounds)."""
+    KP when it was added, the largest truncation bound seen per problem, the number of rounds). With a sharded
+    `model` the rounds go on while any rank has a problem growing (a rank with none asks for no contexts)."""
     J = len(num_kps)
     subsets, gains, bound = [[] for _ in range(J)], [[] for _ in range(J)], [0.0] * J
     active = [j for j in range(J) if budgets[j] > 0 and num_kps[j] > 0]
     rounds = 0
-    while active:
+    while not agree(not active, model):
         requests = []
         for j in active:
             requests.append((j, list(subsets[j])))
@@ -378,8 +382,6 @@ def probe_tokens(problem, tokenizer, probe_len: int, cached: list[int] | None = 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: sizes, seeding, run folder
     rank, world, device = init_distributed(args.device)
-    refuse_fsdp(args, "adakp.py", "the hint log-prob pass runs only on ranks that showed knowledge points, the entropy "
-                "probes differ in number between ranks, while under FSDP every forward is a collective")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     check_at_least(args, 0, "budget", "reselect_every", "entropy_top_k")
@@ -395,6 +397,7 @@ def main(args: Args) -> dict:
     train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
@@ -415,8 +418,8 @@ def main(args: Args) -> dict:
     def score_requests(idx: list[int], requests: list) -> tuple[torch.Tensor, torch.Tensor]:
         """H_bar and truncation bound of (j, S) requests, j indexing `idx`: one batched no-grad forward."""
         probs = [train_problems[idx[j]] for j, _ in requests]
-        contexts = encode_prompts(tokenizer, [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S])
-                                              for p, (_, S) in zip(probs, requests)], args.max_prompt_tokens)
+        texts = [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S]) for p, (_, S) in zip(probs, requests)]
+        contexts = encode_prompts(tokenizer, texts, args.max_prompt_tokens) if texts else []  # --fsdp: maybe none
         probes = [probe_tokens(p, tokenizer, args.probe_len, probe_cache.get(idx[j]) if args.probe == "rollout"
                                else None) for p, (j, _) in zip(probs, requests)]
         h_N, b_N, eps_N, passes = probe_entropy(model, contexts, probes, tokenizer.pad_token_id, vocab,
@@ -429,7 +432,7 @@ def main(args: Args) -> dict:
     def select(idx: list[int], step: int) -> tuple[list[float], list[float]]:
         """Choose S for problems `idx` with the current policy; returns the chosen KPs' scores and the bounds."""
         subsets, gains, bounds, _ = greedy_select(lambda r: score_requests(idx, r), [n_kps[i] for i in idx],
-                                                  [kp["budget"][i] for i in idx], args.delta)
+                                                  [kp["budget"][i] for i in idx], args.delta, model)
         for i, S, g in zip(idx, subsets, gains):
             kp["S"][i], kp["gain"][i], kp["chosen_at"][i] = S, g, step
         return [x for g in gains for x in g], bounds
@@ -468,7 +471,7 @@ def main(args: Args) -> dict:
             proxy.update(passes=0, rows=0, eps=0.0)
             stale = [i for i in dict.fromkeys(idx) if args.kp_mode == "adakp"
                      and (kp["chosen_at"][i] is None or step - kp["chosen_at"][i] >= reselect_every)]
-            chosen_scores, bounds = select(stale, step) if stale else ([], [])
+            chosen_scores, bounds = select(stale, step)  # on every rank: --fsdp keeps the proxy passes in step
 
         # 1. Rollouts: G completions for each of num_prompts hinted prompts x~ = x (+) S
         shown = [list(kp["S"][i]) for i in idx]
@@ -534,7 +537,7 @@ def main(args: Args) -> dict:
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)
             hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
-            if weigh and hinted_B.any():
+            if weigh and max_over_ranks(int(hinted_B.any()), model):  # --fsdp: on every rank if any shows KPs
                 hint_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
                 w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
                                                                              args.is_clip_min), w_BC)

@@ -57,6 +57,23 @@ def oc_grpo_weights(module, model, batch, rows, guided, args, pad_id):
     return w_BC
 
 
+def select_kps(module, model, tok, problems, rank, sharded):
+    """adakp.py: greedy KP selection with the entropy proxy on `model` (2 contexts a forward), rank 0 for problem 0
+    with budget 1, rank 1 for problems 1-3 with budget 2, every KP added (delta -1): the ranks run different
+    numbers of rounds and proxy forwards."""
+    pids, budget = ([0], 1) if rank == 0 else ([1, 2, 3], 2)
+
+    def entropy_fn(requests):
+        probs = [problems[pids[j]] for j, _ in requests]
+        texts = [render_prompt(p, tok, hints=[p.hints[k] for k in S]) for p, (_, S) in zip(probs, requests)]
+        contexts = encode_prompts(tok, texts) if texts else []
+        probes = [module.probe_tokens(p, tok, 96) for p in probs]
+        return module.probe_entropy(model, contexts, probes, tok.pad_token_id, len(tok), 50, 2)[:2]
+
+    return module.greedy_select(entropy_fn, [len(problems[i].hints) for i in pids], [budget] * len(pids), -1.0,
+                                sharded)
+
+
 def main():
     trainer, model_dir, out_path = sys.argv[1:4]
     module = importlib.import_module(trainer)
@@ -93,6 +110,9 @@ def main():
         guide_rows = [(hint_ids[b // G] if b >= G else prompts[b // G], c, 0.0)
                       for b, c in enumerate(split_completions(rollouts))]
         plain_w_BC = oc_grpo_weights(module, plain, plain_batch, guide_rows, list(range(G, B)), args, tok.pad_token_id)
+    if trainer == "adakp":  # its loss takes a per-token advantage (w = 1 without --correction); its KP selection:
+        plain_batch["adv_BC"] = plain_batch["adv_B"].unsqueeze(1)  # rank 0 one problem, rank 1 three
+        plain_kp = select_kps(module, plain, tok, problems, rank, None)
     plain_norms = update(module, plain, plain_batch, torch.arange(B), args, plain_opt, lambda t: t)
 
     # FSDP2: this rank's half of the groups; old and reference log-probs from the sharded models
@@ -111,6 +131,12 @@ def main():
         module.guidance_cascade(engine, tok, problems, list(range(len(problems))) if rank else [], 2, args, model)
         extra = {"hint_rows": len(guided), "hint_weight_diff": (w_BC[mine] - plain_w_BC[mine]).abs().max().item(),
                  "hint_weight_min": w_BC[mine].min().item(), "cascade_generations": len(calls)}
+    if trainer == "adakp":
+        batch["adv_BC"] = batch["adv_B"].unsqueeze(1)
+        kp = select_kps(module, model, tok, problems, rank, model)
+        extra = {"kp_equal": kp[0] == plain_kp[0], "kp_gain_diff": max(
+            [abs(a - b) for g, h in zip(kp[1], plain_kp[1]) for a, b in zip(g, h)], default=0.0),
+            "kp_rounds": kp[3], "kp_chosen": sum(map(len, kp[0]))}
     fsdp_norms = update(module, model, batch, mine, args, optimizer, all_reduce_sum)
 
     # plain data parallel: every rank whole, gradients all-reduced in buckets of at most 64 KB (many buckets)
