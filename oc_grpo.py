@@ -64,7 +64,7 @@ from common.logger import RunLogger, check_run_args, open_checkpoint, save_check
 from common.models import load_model, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed)
+                        rollout_perf_metrics, start_run, step_bar, timed, weight_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
 
@@ -482,17 +482,13 @@ def main(args: Args) -> dict:
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device, gen_tokens),
         }
         # guidance and importance-weight statistics (weights over guided tokens; 1, 1, 0 when no row is guided)
-        guided_mask_BC = rollouts.completion_mask_BC[guided_rows]
-        w_tok = w_BC[guided_rows][guided_mask_BC > 0]
         metrics.update({
             "guide/zero_reward_groups": float(len(failed)), "guide/rescued_groups": float(len(rescued)),
             "guide/frac_rescued": len(rescued) / max(len(failed), 1),
             "guide/guided_groups": float(sum(f is not None for f in fracs)),
             "guide/fraction_mean": float(np.mean([f for f in fracs if f is not None] or [0.0])),
             **{f"guide/groups_at_f{f:g}": float(sum(x == f for x in fracs)) for f in args.prefix_fractions},
-            "is/weight_mean": w_tok.mean().item() if len(w_tok) else 1.0,
-            "is/weight_min": w_tok.min().item() if len(w_tok) else 1.0,
-            "is/frac_at_clamp": (w_tok <= args.is_clip_min * (1 + 1e-6)).float().mean().item() if len(w_tok) else 0.0,
+            **weight_metrics(w_BC[guided_rows][rollouts.completion_mask_BC[guided_rows] > 0], args.is_clip_min),
         })
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
