@@ -284,10 +284,9 @@ def truncated_entropy(logits_NV: torch.Tensor, top_k: int) -> tuple[torch.Tensor
 @torch.no_grad()
 def probe_entropy(model, contexts: list[list[int]], probes: list[list[int]], pad_id: int, vocab: int, top_k: int,
                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """H_bar of each context: the mean next-token entropy over its probe continuation, teacher-forced, all rows in
-    one no-grad forward (one per `batch_size` rows). Returns (H_bar_N, bound_N, eps_N, forwards): the mean
-    per-position truncation bound and tail mass of each row, and how many forwards it took. Under --fsdp every rank
-    runs as many rows as the busiest one (each forward is a collective): one-token padding rows, discarded."""
+    """H_bar of each context: the mean next-token entropy over its probe continuation, teacher-forced, in no-grad
+    forwards of `batch_size` rows. Returns (H_bar_N, bound_N, eps_N, forwards): each row's mean per-position
+    truncation bound and tail mass, and the forwards run. --fsdp: as many rows as the busiest rank (padding)."""
     device, was_training, n = next(model.parameters()).device, model.training, len(contexts)
     pad = max_over_ranks(n, model) - n
     rows = attach(contexts + [[pad_id]] * pad, [(z, "", False) for z in probes + [[pad_id]] * pad], pad_id)
@@ -305,12 +304,11 @@ def probe_entropy(model, contexts: list[list[int]], probes: list[list[int]], pad
 
 
 def greedy_select(entropy_fn, num_kps: list[int], budgets: list[int], delta: float, model=None):
-    """Greedy interaction-aware KP subsets for several problems at once. `entropy_fn(requests)` maps a list of
-    (problem j, subset as a list of KP indices) to their H_bar values (and bounds), scored together. Each round
-    asks for S_j and every S_j + k of each problem j still growing, then adds argmax_k score(k | S_j) =
-    H_bar(S_j) - H_bar(S_j + k) if it is >= delta and |S_j| < budget_j. Returns (subsets, the score of each chosen
-    KP when it was added, the largest truncation bound seen per problem, the number of rounds). With a sharded
-    `model` the rounds go on while any rank has a problem growing (a rank with none asks for no contexts)."""
+    """Greedy interaction-aware KP subsets for several problems at once. `entropy_fn(requests)` maps (problem j,
+    subset S as KP indices) pairs to their H_bar values and bounds, scored together. Each round asks for S_j and
+    every S_j + k of each problem j still growing, then adds argmax_k score(k | S_j) if it is >= delta and |S_j| <
+    budget_j. Returns (subsets, each chosen KP's score when added, the largest truncation bound seen per problem,
+    the number of rounds). A sharded `model`: rounds go on while any rank has a problem growing."""
     J = len(num_kps)
     subsets, gains, bound = [[] for _ in range(J)], [[] for _ in range(J)], [0.0] * J
     active, rounds = [j for j in range(J) if budgets[j] > 0 and num_kps[j] > 0], 0
