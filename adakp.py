@@ -1,4 +1,4 @@
-"""AdaKP: adaptive knowledge-point selection by an entropy proxy, re-chosen online during RL.
+"""AdaKP: adaptive knowledge-point selection by an entropy proxy, re-chosen online during RL (docs/adakp.md).
 
 The AdaKP paper is not public; this follows the proposed design of ALGORITHMS.md section 4.3, built on KnowRL
 (arXiv 2604.12627: GRPO on prompts that carry a minimal subset of a problem's candidate knowledge points, KPs).
@@ -8,39 +8,17 @@ problem by how much each KP lowers the policy's entropy on a fixed probe continu
 
     H_bar(c)     = (1/L) sum_l H( pi_theta(. | c, z_<l) )                 (mean next-token entropy on the probe)
     score(k | S) = H_bar(x (+) S) - H_bar(x (+) S (+) k)                  (entropy reduction k brings, given S)
+    w_it         = clip( pi_old(y_it | x, y_<t) / pi_old(y_it | x~, y_<t), c_min, 1 )     (--correction per_token)
 
 S and every S + k of every problem being (re)selected are scored in one batched no-grad forward per greedy
-round. Greedy: add argmax_k score(k | S) while it is >= delta and |S| < budget; re-chosen when a sampled problem's
-selection is older than R steps. With top-K truncation the entropy is (1 - eps) H_K (H_K: entropy of the
-renormalised top K, eps: the tail mass), an underestimate by at most h_b(eps) + eps log(|V| - K) per position;
-the mean of that bound over the probe is logged (kp/trunc_bound_*). The update is GRPO (grpo.py) with DAPO's
-clip-higher (0.28) and token-mean loss; with --correction per_token, OC-GRPO's (section 2.4) weight moves it
-back to the plain prompt: rows are trained on [x|y] with w_it = clip(pi_old(y_it|x, y_<t) / pi_old(y_it|x~, y_<t),
-c_min, 1) multiplying the advantage, x~ the hinted prompt the rollout was sampled from.
-
-From the papers: KPs in a "## Hint" block, GRPO on the hinted prompt with token-mean loss and clip-higher (KnowRL),
-the per-token correction (OC-GRPO). Ours (section 4.3 [I], every one a flag): the entropy proxy and its probe
-(--probe: testbed, the reference answer + eos, which is what the testbed model writes; real data, the first
---probe-len tokens of the reference solution; `rollout`: a cached correct rollout when there is one), top-K
-truncation (--entropy-top-k), greedy conditional selection (--budget, --delta), lazy re-selection every
---reselect-every steps, fading (--fade-pass-rate: a group at or above it drops its lowest-scoring KP and the
-problem's budget shrinks to the KPs left), growing (--grow-budget: an all-wrong group raises its budget by one,
-up to m, and forces a re-selection), and the baselines of --kp-mode: none (plain GRPO), all, random (one random
-subset of --budget KPs per problem, drawn once), static (the same proxy-greedy selection, made once with the
-initial policy before training and never changed; KnowRL's offline setting, with our proxy instead of its
-rollout-based CSS selector).
-
-Left out, on purpose: KnowRL's dynamic sampling (refilling zero-std groups), entropy annealing of clip-high,
-and its rollout-based CSS/LOO offline selectors (the benchmark measures the proxy against rollout gains instead).
-
-Metrics beyond grpo.py's (per step): kp/mean_size (mean |S| over this step's prompts), kp/budget_mean,
-kp/helpful_frac (share of the shown KPs marked helpful; testbed only, 0 when none is shown), kp/reselected
-(problems whose S was chosen this step), kp/proxy_passes and kp/proxy_rows (batched no-grad forwards and contexts
-scored this step), kp/score_mean (mean score of the KPs chosen this step), kp/trunc_eps_mean and kp/trunc_bound_max
-(tail mass, and the largest per-problem bound on the score's truncation bias, max over its contexts of the mean
-per-position bound), kp/faded and kp/grown (KPs dropped, budgets raised), kp/zero_correct_frac (groups whose G
-hinted rollouts all fail), and with --correction is/weight_mean, is/weight_min, is/frac_at_clamp (over tokens of
-rows with hints), time/proxy. train/accuracy and reward/* are those of the hinted rollouts that are trained on.
+round: add argmax_k score(k | S) while it is >= delta and |S| < budget; re-chosen when a sampled problem's
+selection is older than R steps; a group passing at >= p_hi drops its lowest-scoring KP, an all-wrong one raises
+its budget. Top-K truncation gives (1 - eps) H_K, at most h_b(eps) + eps log(|V| - K) below H per position
+(eps: the tail mass). The update is GRPO (grpo.py) with clip-higher 0.28 and token-mean loss, on the hinted
+prompt x~ (KnowRL) or, with --correction, on [x|y] with OC-GRPO's weight w on the advantage. Ours, each a flag:
+the proxy and its probe, the truncation, greedy selection, re-selection, fading, growing and the --kp-mode
+baselines. Left out: KnowRL's dynamic sampling, clip-high annealing and rollout-based CSS/LOO selectors.
+Metrics beyond grpo.py's: kp/*, is/* (with --correction) and time/proxy, described in docs/adakp.md.
 
     python adakp.py                                         # embedded CPU demo on testbed level 4, a few minutes
     python adakp.py --kp-mode static                        # the baselines: none, all, random, static
@@ -66,14 +44,14 @@ import tyro
 
 from common.args import TrainArgs, check_at_least
 from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, refuse_fsdp
+from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
 from common.evaluate import evaluate
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
                             sampler_mismatch, split_completions, tis_weights)
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed, update_metrics)
+                        rollout_perf_metrics, start_run, step_bar, timed, update_metrics, weight_metrics)
 from common.verifiers import format_reward, score
 
 
@@ -281,16 +259,10 @@ def importance_weights(old_logp_BC, hint_logp_BC, mask_BC, c_min: float) -> torc
 
 
 # ALGO LOGIC: the entropy proxy, its truncation bound, and the greedy interaction-aware selector
-def binary_entropy(eps: torch.Tensor) -> torch.Tensor:
-    """h_b(eps) = -eps log eps - (1 - eps) log(1 - eps), in nats, 0 at eps = 0 and 1."""
-    return -(torch.xlogy(eps, eps) + torch.xlogy(1 - eps, 1 - eps))
-
-
 def truncated_entropy(logits_NV: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Entropy of softmax(logits) per row, over the top-K tokens: (1 - eps) H_K, where H_K is the entropy of the
-    renormalised top K and eps the tail mass. Since H = h_b(eps) + (1 - eps) H_K + eps H(tail / eps), the exact
-    entropy exceeds it by at least 0 and at most h_b(eps) + eps log(|V| - K). Returns (entropy, bound, eps);
-    top_k <= 0 or >= |V| gives the exact entropy with bound and eps 0.
+    """Entropy of softmax(logits) per row over the top-K tokens, (1 - eps) H_K (H_K: entropy of the renormalised top
+    K, eps: the tail mass). As H = h_b(eps) + (1 - eps) H_K + eps H(tail / eps), the exact entropy exceeds it by 0
+    to h_b(eps) + eps log(|V| - K). Returns (entropy, bound, eps); top_k <= 0 or >= |V|: exact, bound and eps 0.
 
     >>> h, b, e = truncated_entropy(torch.zeros(1, 4), 2); h.item(), round(b.item(), 4), e.item()
     (0.3465735912322998, 1.0397, 0.5)
@@ -305,62 +277,55 @@ def truncated_entropy(logits_NV: torch.Tensor, top_k: int) -> tuple[torch.Tensor
     eps_N = (1 - log_mass_N.exp()).clamp(0, 1)
     q_logp_NK = top_logp_NK - log_mass_N.unsqueeze(-1)
     h_k_N = -(q_logp_NK.exp() * q_logp_NK).sum(-1)
-    return (1 - eps_N) * h_k_N, binary_entropy(eps_N) + eps_N * math.log(V - top_k), eps_N
+    h_b_N = -(torch.xlogy(eps_N, eps_N) + torch.xlogy(1 - eps_N, 1 - eps_N))  # binary entropy h_b(eps), nats
+    return (1 - eps_N) * h_k_N, h_b_N + eps_N * math.log(V - top_k), eps_N
 
 
 @torch.no_grad()
 def probe_entropy(model, contexts: list[list[int]], probes: list[list[int]], pad_id: int, vocab: int, top_k: int,
                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """H_bar of each context: the mean next-token entropy over its probe continuation, teacher-forced, all rows in
-    one no-grad forward (one per `batch_size` rows). Returns (H_bar_N, bound_N, eps_N, forwards): the mean
-    per-position truncation bound and tail mass of each row, and how many forwards it took."""
-    device = next(model.parameters()).device
-    was_training = model.training
+    """H_bar of each context: the mean next-token entropy over its probe continuation, teacher-forced, in no-grad
+    forwards of `batch_size` rows. Returns (H_bar_N, bound_N, eps_N, forwards): each row's mean per-position
+    truncation bound and tail mass, and the forwards run. --fsdp: as many rows as the busiest rank (padding)."""
+    device, was_training, n = next(model.parameters()).device, model.training, len(contexts)
+    pad = max_over_ranks(n, model) - n
+    rows = attach(contexts + [[pad_id]] * pad, [(z, "", False) for z in probes + [[pad_id]] * pad], pad_id)
     model.eval()
-    rows = attach(contexts, [(z, "", False) for z in probes], pad_id)
-    out, passes = [], 0
-    for s in range(0, len(contexts), batch_size):
-        ids, attn = rows.input_ids_BT[s : s + batch_size].to(device), rows.attention_mask_BT[s : s + batch_size].to(device)
-        logits_BCV = completion_logits(model, ids, attn, rows.prompt_len)[..., :vocab]  # padded head rows dropped
+    out = []
+    for s in range(0, n + pad, batch_size):
+        ids_BT, attn_BT = (x[s : s + batch_size].to(device) for x in (rows.input_ids_BT, rows.attention_mask_BT))
+        logits_BCV = completion_logits(model, ids_BT, attn_BT, rows.prompt_len)[..., :vocab]  # padded head rows dropped
         out.append([x.cpu() for x in truncated_entropy(logits_BCV, top_k)])
-        passes += 1
     model.train(was_training)
-    mask_BC = rows.completion_mask_BC
+    mask_BC = rows.completion_mask_BC[:n]
     n_B = mask_BC.sum(1).clamp(min=1)
-    h_BC, b_BC, e_BC = (torch.cat(x) for x in zip(*out))
-    return (h_BC * mask_BC).sum(1) / n_B, (b_BC * mask_BC).sum(1) / n_B, (e_BC * mask_BC).sum(1) / n_B, passes
+    h_N, b_N, eps_N = ((torch.cat(x)[:n] * mask_BC).sum(1) / n_B for x in zip(*out))
+    return h_N, b_N, eps_N, len(out)
 
 
-def greedy_select(entropy_fn, num_kps: list[int], budgets: list[int], delta: float):
-    """Greedy interaction-aware KP subsets for several problems at once. `entropy_fn(requests)` maps a list of
-    (problem j, subset as a list of KP indices) to their H_bar values (and bounds), scored together. Each round
-    asks for S_j and every S_j + k of each problem j still growing, then adds argmax_k score(k | S_j) =
-    H_bar(S_j) - H_bar(S_j + k) if it is >= delta and |S_j| < budget_j. Returns (subsets, the score of each chosen
-    KP when it was added, the largest truncation bound seen per problem, the number of rounds)."""
+def greedy_select(entropy_fn, num_kps: list[int], budgets: list[int], delta: float, model=None):
+    """Greedy interaction-aware KP subsets for several problems at once. `entropy_fn(requests)` maps (problem j,
+    subset S as KP indices) pairs to their H_bar values and bounds, scored together. Each round asks for S_j and
+    every S_j + k of each problem j still growing, then adds argmax_k score(k | S_j) if it is >= delta and |S_j| <
+    budget_j. Returns (subsets, each chosen KP's score when added, the largest truncation bound seen per problem,
+    the number of rounds). A sharded `model`: rounds go on while any rank has a problem growing."""
     J = len(num_kps)
     subsets, gains, bound = [[] for _ in range(J)], [[] for _ in range(J)], [0.0] * J
-    active = [j for j in range(J) if budgets[j] > 0 and num_kps[j] > 0]
-    rounds = 0
-    while active:
-        requests = []
-        for j in active:
-            requests.append((j, list(subsets[j])))
-            requests += [(j, subsets[j] + [k]) for k in range(num_kps[j]) if k not in subsets[j]]
-        h_N, b_N = entropy_fn(requests)
-        rounds += 1
-        at, still = 0, []
-        for j in active:
-            cands = [k for k in range(num_kps[j]) if k not in subsets[j]]
-            h_S, h_k = float(h_N[at]), [float(x) for x in h_N[at + 1 : at + 1 + len(cands)]]
-            bound[j] = max(bound[j], *[float(x) for x in b_N[at : at + 1 + len(cands)]])
-            at += 1 + len(cands)
-            best = max(range(len(cands)), key=lambda i: h_S - h_k[i])  # first of ties: lowest KP index
-            if h_S - h_k[best] < delta:
-                continue
-            subsets[j].append(cands[best])
-            gains[j].append(h_S - h_k[best])
-            if len(subsets[j]) < min(budgets[j], num_kps[j]):
-                still.append(j)
+    active, rounds = [j for j in range(J) if budgets[j] > 0 and num_kps[j] > 0], 0
+    while not agree(not active, model):
+        cands = {j: [k for k in range(num_kps[j]) if k not in subsets[j]] for j in active}
+        h_N, b_N = entropy_fn([(j, subsets[j] + add) for j in active for add in [[]] + [[k] for k in cands[j]]])
+        rounds, at, still = rounds + 1, 0, []
+        for j in active:  # rows at..at+n of h_N: S_j, then S_j + k for each candidate k
+            n = 1 + len(cands[j])
+            h_S, h_k = h_N[at].item(), h_N[at + 1 : at + n].tolist()
+            bound[j], at = max(bound[j], *b_N[at : at + n].tolist()), at + n
+            best = max(range(len(h_k)), key=lambda i: h_S - h_k[i])  # first of ties: lowest KP index
+            if h_S - h_k[best] >= delta:
+                subsets[j].append(cands[j][best])
+                gains[j].append(h_S - h_k[best])
+                if len(subsets[j]) < min(budgets[j], num_kps[j]):
+                    still.append(j)
         active = still
     return subsets, gains, bound, rounds
 
@@ -376,10 +341,8 @@ def probe_tokens(problem, tokenizer, probe_len: int, cached: list[int] | None = 
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: sizes, seeding, run folder
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
     rank, world, device = init_distributed(args.device)
-    refuse_fsdp(args, "adakp.py", "the hint log-prob pass runs only on ranks that showed knowledge points, the entropy "
-                "probes differ in number between ranks, while under FSDP every forward is a collective")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     check_at_least(args, 0, "budget", "reselect_every", "entropy_top_k")
@@ -389,12 +352,12 @@ def main(args: Args) -> dict:
     if args.correction != "none" and args.tis != "none":
         raise SystemExit("error: --tis weighs the sampler's own context; with --correction the rows are trained on "
                          "another prompt, so use one of them")
-    run_dir = start_run(args, rank)  # seeds, batch sizes, the run folder
-
+    run_dir = start_run(args, rank)
     tokenizer = load_tokenizer(args.model_name)
     train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
@@ -409,27 +372,24 @@ def main(args: Args) -> dict:
           "chosen_at": [None] * len(train_problems), "budget": [min(args.budget, m) for m in n_kps]}
     probe_cache = {}  # --probe rollout: problem index -> token ids of its latest correct rollout
     reselect_every = args.reselect_every or max(1, math.ceil(len(train_problems) / args.num_prompts))
-    vocab = len(tokenizer)
     proxy = {"passes": 0, "rows": 0, "eps": 0.0}
-
-    def score_requests(idx: list[int], requests: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """H_bar and truncation bound of (j, S) requests, j indexing `idx`: one batched no-grad forward."""
-        probs = [train_problems[idx[j]] for j, _ in requests]
-        contexts = encode_prompts(tokenizer, [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S])
-                                              for p, (_, S) in zip(probs, requests)], args.max_prompt_tokens)
-        probes = [probe_tokens(p, tokenizer, args.probe_len, probe_cache.get(idx[j]) if args.probe == "rollout"
-                               else None) for p, (j, _) in zip(probs, requests)]
-        h_N, b_N, eps_N, passes = probe_entropy(model, contexts, probes, tokenizer.pad_token_id, vocab,
-                                                args.entropy_top_k, args.proxy_batch_size)
-        proxy["passes"] += passes
-        proxy["rows"] += len(requests)
-        proxy["eps"] += eps_N.sum().item()
-        return h_N, b_N
 
     def select(idx: list[int], step: int) -> tuple[list[float], list[float]]:
         """Choose S for problems `idx` with the current policy; returns the chosen KPs' scores and the bounds."""
-        subsets, gains, bounds, _ = greedy_select(lambda r: score_requests(idx, r), [n_kps[i] for i in idx],
-                                                  [kp["budget"][i] for i in idx], args.delta)
+        def entropy_fn(requests):  # H_bar and truncation bound of (j, S) requests: one batched no-grad forward
+            probs = [train_problems[idx[j]] for j, _ in requests]
+            texts = [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S]) for p, (_, S) in zip(probs, requests)]
+            probes = [probe_tokens(p, tokenizer, args.probe_len, probe_cache.get(idx[j]) if args.probe == "rollout"
+                                   else None) for p, (j, _) in zip(probs, requests)]
+            contexts = encode_prompts(tokenizer, texts, args.max_prompt_tokens) if texts else []  # --fsdp: maybe none
+            h_N, b_N, eps_N, passes = probe_entropy(model, contexts, probes, tokenizer.pad_token_id, len(tokenizer),
+                                                    args.entropy_top_k, args.proxy_batch_size)
+            proxy.update(passes=proxy["passes"] + passes, rows=proxy["rows"] + len(requests),
+                         eps=proxy["eps"] + eps_N.sum().item())
+            return h_N, b_N
+
+        subsets, gains, bounds, _ = greedy_select(entropy_fn, [n_kps[i] for i in idx], [kp["budget"][i] for i in idx],
+                                                  args.delta, model)
         for i, S, g in zip(idx, subsets, gains):
             kp["S"][i], kp["gain"][i], kp["chosen_at"][i] = S, g, step
         return [x for g in gains for x in g], bounds
@@ -468,7 +428,7 @@ def main(args: Args) -> dict:
             proxy.update(passes=0, rows=0, eps=0.0)
             stale = [i for i in dict.fromkeys(idx) if args.kp_mode == "adakp"
                      and (kp["chosen_at"][i] is None or step - kp["chosen_at"][i] >= reselect_every)]
-            chosen_scores, bounds = select(stale, step) if stale else ([], [])
+            chosen_scores, bounds = select(stale, step)  # on every rank: --fsdp keeps the proxy passes in step
 
         # 1. Rollouts: G completions for each of num_prompts hinted prompts x~ = x (+) S
         shown = [list(kp["S"][i]) for i in idx]
@@ -476,7 +436,8 @@ def main(args: Args) -> dict:
                                                 for p, S in zip(problems, shown)], args.max_prompt_tokens)
         with timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                       max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
+                                       max_new_tokens=args.max_new_tokens,
+                                       return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the verifier
         with timed(times, "score"):
@@ -499,22 +460,17 @@ def main(args: Args) -> dict:
             if args.kp_mode != "adakp":
                 continue
             if pass_P[g] >= args.fade_pass_rate and kp["S"][i]:
-                drop = min(range(len(kp["S"][i])), key=lambda n: kp["gain"][i][n])
-                kp["S"][i].pop(drop)
-                kp["gain"][i].pop(drop)
-                kp["budget"][i] = len(kp["S"][i])
-                faded += 1
+                drop = min(range(len(kp["S"][i])), key=lambda n: kp["gain"][i][n])  # the lowest-scoring KP
+                del kp["S"][i][drop], kp["gain"][i][drop]
+                kp["budget"][i], faded = len(kp["S"][i]), faded + 1
             elif pass_P[g] == 0 and args.grow_budget and kp["budget"][i] < n_kps[i]:
-                kp["budget"][i] += 1
-                kp["chosen_at"][i] = None
-                grown += 1
+                kp["budget"][i], kp["chosen_at"][i], grown = kp["budget"][i] + 1, None, grown + 1
 
         # 2c. --correction: the rollouts are trained on the plain prompt [x|y] (same completion columns as [x~|y])
-        train_rollouts = rollouts
-        if args.correction != "none":
-            plain_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-            train_rollouts = attach([plain_ids[b // G] for b in range(len(completions))], completions,
-                                    tokenizer.pad_token_id, rollouts.completion_ids_BC.shape[1])
+        plain_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
+        train_rollouts = rollouts if args.correction == "none" else attach(
+            [plain_ids[b // G] for b in range(len(completions))], completions, tokenizer.pad_token_id,
+            rollouts.completion_ids_BC.shape[1])
 
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
@@ -523,9 +479,8 @@ def main(args: Args) -> dict:
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
 
-        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
-        # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
-        # compared with, so that comparison costs no extra pass.
+        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly, and the update's
+        # own forward gives the trainer's log-probs that a separate sampler (vllm) is compared with (no extra pass).
         # --correction: the weight w = clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on rows shown KPs (1 elsewhere)
         with timed(times, "logprobs"):
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
@@ -534,7 +489,7 @@ def main(args: Args) -> dict:
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)
             hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
-            if weigh and hinted_B.any():
+            if weigh and max_over_ranks(int(hinted_B.any()), model):  # --fsdp: on every rank if any shows KPs
                 hint_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
                 w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
                                                                              args.is_clip_min), w_BC)
@@ -542,8 +497,8 @@ def main(args: Args) -> dict:
                          prompt_len=train_rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_B.unsqueeze(1) * w_BC,
                          sampler_logp_BC=rollouts.sampler_logp_BC if not weigh else None,
                          old_logp_BC=old_logp_BC if needs_old else None,
-                         ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature, args.micro_batch_size)
-                         if ref_model is not None else None)
+                         ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature,
+                                                      args.micro_batch_size) if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
@@ -575,26 +530,20 @@ def main(args: Args) -> dict:
                              mask_BC.sum().item() * args.num_iterations),
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device, train_rollouts=train_rollouts),
         }
-        # knowledge-point statistics (names in the module docstring)
+        # knowledge-point and weight statistics (docs/adakp.md)
         helpful = [p.hint_helpful[k] for p, S in zip(problems, shown) for k in S if p.hint_helpful]
-        w_tok = w_BC[hinted_B][mask_BC[hinted_B] > 0]
         metrics.update({
             "kp/mean_size": float(np.mean([len(S) for S in shown])),
             "kp/budget_mean": float(np.mean([kp["budget"][i] for i in idx])),
-            "kp/helpful_frac": float(np.mean(helpful)) if helpful else 0.0,
-            "kp/reselected": float(len(stale)), "kp/proxy_passes": float(proxy["passes"]),
-            "kp/proxy_rows": float(proxy["rows"]),
+            "kp/helpful_frac": float(np.mean(helpful)) if helpful else 0.0, "kp/reselected": float(len(stale)),
+            "kp/proxy_passes": float(proxy["passes"]), "kp/proxy_rows": float(proxy["rows"]),
             "kp/score_mean": float(np.mean(chosen_scores)) if chosen_scores else 0.0,
-            "kp/trunc_eps_mean": proxy["eps"] / max(proxy["rows"], 1),
-            "kp/trunc_bound_max": max(bounds, default=0.0),
+            "kp/trunc_eps_mean": proxy["eps"] / max(proxy["rows"], 1), "kp/trunc_bound_max": max(bounds, default=0.0),
             "kp/faded": float(faded), "kp/grown": float(grown),
             "kp/zero_correct_frac": (pass_P == 0).float().mean().item(),
         })
-        if weigh and len(w_tok):
-            metrics.update({"is/weight_mean": w_tok.mean().item(), "is/weight_min": w_tok.min().item(),
-                            "is/frac_at_clamp": (w_tok <= args.is_clip_min * (1 + 1e-6)).float().mean().item()})
-        elif weigh:  # no row was shown KPs: the weight is 1 everywhere
-            metrics.update({"is/weight_mean": 1.0, "is/weight_min": 1.0, "is/frac_at_clamp": 0.0})
+        if weigh:  # over the tokens of rows shown KPs
+            metrics.update(weight_metrics(w_BC[hinted_B][mask_BC[hinted_B] > 0], args.is_clip_min))
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())

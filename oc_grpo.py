@@ -58,13 +58,13 @@ import tyro
 
 from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, refuse_fsdp
+from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
 from common.evaluate import evaluate
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed)
+                        rollout_perf_metrics, start_run, step_bar, timed, weight_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
 
@@ -283,14 +283,21 @@ def render_guided_prompt(problem, tokenizer, prefix: str) -> str:
     return render_prompt(problem, tokenizer, suffix=f"\n\nPartial reference solution: {prefix}")
 
 
-def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args) -> tuple[dict, int, float]:
+def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args,
+                     model=None) -> tuple[dict, int, float]:
     """For each problem index in `todo`, the lowest prefix fraction whose n guided rollouts contain a success:
     {index: (fraction, guided prompt ids, completions, correct)}. Indices no fraction rescues are absent.
-    Also the completion tokens the cascade generated, and the seconds its generation took."""
+    Also the completion tokens the cascade generated, and the seconds its generation took. With a sharded `model`
+    every rank generates once per fraction until no rank has a problem pending (generation gathers the layers, a
+    collective): a rank with none left generates one token from one prompt, discarded."""
     rescued, pending, tokens, seconds = {}, [i for i in todo if problems[i].solution], 0, 0.0
     for frac in args.prefix_fractions:
-        if not pending:
+        if agree(not pending, model):
             break
+        if not pending:
+            engine.generate(encode_prompts(tokenizer, [render_prompt(problems[0], tokenizer)], args.max_prompt_tokens),
+                            n=1, max_new_tokens=1)
+            continue
         prompts = encode_prompts(tokenizer, [render_guided_prompt(problems[i], tokenizer, solution_prefix(
             problems[i].solution, frac)) for i in pending], args.max_prompt_tokens)
         t0 = time.time()
@@ -306,6 +313,17 @@ def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int,
     return rescued, tokens, seconds
 
 
+def hint_weights(model, old_logp_BC, rows: list, guided: list[int], width: int, args: Args, pad_id: int):
+    """The context-shift weight w of the `guided` rows (rows: (sampled prompt x~, completion, correct) per batch row),
+    from one no-grad pass on [x~|y], whose completion columns are those of [x|y]. Under --fsdp every rank passes as
+    many rows as the busiest one (copies of row 0, discarded), since each forward is a collective."""
+    padded = guided + [0] * (max_over_ranks(len(guided), model) - len(guided))
+    hint = attach([rows[b][0] for b in padded], [rows[b][1] for b in padded], pad_id, width)
+    hint_logp_BC = batched_logprobs(model, hint, args.temperature, args.micro_batch_size)[: len(guided)]
+    return importance_weights(old_logp_BC[guided], hint_logp_BC, hint.completion_mask_BC[: len(guided)],
+                              args.correction, args.is_clip_min)
+
+
 def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
     """Rows of the batch with every rescued group replaced WHOLE by its guided rows (rescued: {group: rows})."""
     rows = list(rows)
@@ -318,8 +336,6 @@ def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
     rank, world, device = init_distributed(args.device)
-    refuse_fsdp(args, "oc_grpo.py", "guided re-generation and hint log-probs run only on ranks with all-fail groups, "
-                "while under FSDP every forward is a collective that all ranks join")
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     if not args.prefix_fractions or not all(0 <= f <= 1 for f in args.prefix_fractions):
@@ -331,6 +347,7 @@ def main(args: Args) -> dict:
     train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
     if not any(p.solution for p in train_problems):
@@ -341,7 +358,7 @@ def main(args: Args) -> dict:
     rows = [(p, None) for p in train_problems]
     if args.guidance == "fixed":
         probe = guidance_cascade(engine, tokenizer, train_problems, list(range(len(train_problems))),
-                                 args.fixed_probe_samples, args)[0]
+                                 args.fixed_probe_samples, args, model)[0]
         rows += [(train_problems[i], probe[i][0]) for i in sorted(probe)]
         if rank == 0:
             print(f"fixed guidance: {len(probe)}/{len(train_problems)} problems solvable with a prefix")
@@ -384,7 +401,7 @@ def main(args: Args) -> dict:
         # rollouts of the lowest prefix fraction with a success (no success at any fraction: it stays all-zero)
         with timed(times, "guidance"):
             failed = [g for g in range(len(problems)) if fracs[g] is None and not any(correct[g * G : (g + 1) * G])]
-            rescued, guide_tokens, t_guide_gen = (guidance_cascade(engine, tokenizer, problems, failed, G, args)
+            rescued, guide_tokens, t_guide_gen = (guidance_cascade(engine, tokenizer, problems, failed, G, args, model)
                                                   if args.guidance == "adaptive" else ({}, 0, 0.0))
             fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
             batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(sampled))]
@@ -416,18 +433,14 @@ def main(args: Args) -> dict:
         # context-shift weight w (1 on unguided rows); with one epoch and one mini-batch, rho = 1 exactly
         with timed(times, "logprobs"):
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
-            weigh = not hinted and args.correction != "none" and bool(guided_B.any())
+            guided_rows = guided_B.nonzero().flatten()
+            weigh = not hinted and args.correction != "none" and max_over_ranks(len(guided_rows), model) > 0
             old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)
-            guided_rows = guided_B.nonzero().flatten()
-            if weigh:  # [x~|y]: the same completion columns as [x|y]
-                hint_rollouts = attach([batch_rows[b][0] for b in guided_rows.tolist()],
-                                       [completions[b] for b in guided_rows.tolist()], tokenizer.pad_token_id, width)
-                hint_logp_BC = batched_logprobs(model, hint_rollouts, args.temperature, args.micro_batch_size)
-                w_BC[guided_rows] = importance_weights(old_logp_BC[guided_rows], hint_logp_BC,
-                                                       rollouts.completion_mask_BC[guided_rows], args.correction,
-                                                       args.is_clip_min)
+            if weigh:  # --fsdp: on every rank when any rank has guided rows
+                w_BC[guided_rows] = hint_weights(model, old_logp_BC, batch_rows, guided_rows.tolist(), width, args,
+                                                 tokenizer.pad_token_id)
             adv_BC = adv_B.unsqueeze(1) * w_BC  # the weight multiplies the (detached) advantage, not the ratio
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_BC,
@@ -469,17 +482,13 @@ def main(args: Args) -> dict:
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device, gen_tokens),
         }
         # guidance and importance-weight statistics (weights over guided tokens; 1, 1, 0 when no row is guided)
-        guided_mask_BC = rollouts.completion_mask_BC[guided_rows]
-        w_tok = w_BC[guided_rows][guided_mask_BC > 0]
         metrics.update({
             "guide/zero_reward_groups": float(len(failed)), "guide/rescued_groups": float(len(rescued)),
             "guide/frac_rescued": len(rescued) / max(len(failed), 1),
             "guide/guided_groups": float(sum(f is not None for f in fracs)),
             "guide/fraction_mean": float(np.mean([f for f in fracs if f is not None] or [0.0])),
             **{f"guide/groups_at_f{f:g}": float(sum(x == f for x in fracs)) for f in args.prefix_fractions},
-            "is/weight_mean": w_tok.mean().item() if len(w_tok) else 1.0,
-            "is/weight_min": w_tok.min().item() if len(w_tok) else 1.0,
-            "is/frac_at_clamp": (w_tok <= args.is_clip_min * (1 + 1e-6)).float().mean().item() if len(w_tok) else 0.0,
+            **weight_metrics(w_BC[guided_rows][rollouts.completion_mask_BC[guided_rows] > 0], args.is_clip_min),
         })
         metrics = all_reduce_mean(metrics)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:

@@ -196,6 +196,16 @@ def agree(flag: bool, model) -> bool:
     return t.item() == 0.0
 
 
+def max_over_ranks(n: int, model) -> int:
+    """The largest `n` over ranks when `model` is sharded, `n` itself otherwise: a rank with less work pads its
+    forwards (each a collective under FSDP) up to the count of the busiest rank."""
+    if not is_sharded(model) or dist.get_world_size() == 1:
+        return n
+    t = torch.tensor([float(n)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def refuse_fsdp(args, script: str, reason: str) -> None:
     """A trainer that cannot run sharded: a one-line error for --fsdp, before any work."""
     if getattr(args, "fsdp", False):

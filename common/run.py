@@ -96,6 +96,15 @@ def update_metrics(sums: dict, grad_norms: list[float], lr: float, n_updates: in
             "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": lr}
 
 
+def weight_metrics(w_tok: torch.Tensor, c_min: float) -> dict:
+    """is/weight_mean, is/weight_min and is/frac_at_clamp (the share at the lower clamp c_min) of importance weights
+    over the tokens they apply to (oc_grpo, adakp): 1, 1 and 0 when there are none."""
+    if not len(w_tok):
+        return {"is/weight_mean": 1.0, "is/weight_min": 1.0, "is/frac_at_clamp": 0.0}
+    return {"is/weight_mean": w_tok.mean().item(), "is/weight_min": w_tok.min().item(),
+            "is/frac_at_clamp": (w_tok <= c_min * (1 + 1e-6)).float().mean().item()}
+
+
 def peak_mem_gb(device: str) -> float:
     return (torch.cuda.max_memory_allocated() if device.startswith("cuda")
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30

@@ -24,12 +24,16 @@ def _torchrun(*cmd, env=None, timeout=300):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec"])
+@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "adakp"])
 def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir, trainer):
     """Two optimizer steps (clipping active, AdamW, reference model sharded too) on one global batch of 4 groups of
     4: each rank's half through FSDP2 gives the weights of one unsharded model on the whole batch; each rank holds
     half of the parameters; greedy generation from the sharded model matches the unsharded one. The plain
-    data-parallel path (bucketed all-reduce) gives the same weights too."""
+    data-parallel path (bucketed all-reduce) gives the same weights too. oc_grpo: its context-shift weights from
+    hint passes that differ in number between ranks (4 and 8 guided rows, padded) equal the unsharded ones, and a
+    guidance cascade with problems on one rank only runs as many generations on the other. adakp: a greedy KP
+    selection of 1 KP for one problem on rank 0 and 2 KPs for each of three on rank 1 (entropy-proxy forwards that
+    differ in number, padded) picks what the unsharded model picks, with the same scores."""
     out = tmp_path / "out.json"
     r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
     if r.returncode != 0 and "exitcode: -" in r.stderr:
@@ -45,6 +49,16 @@ def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir
         assert abs(res["local_numel"] - res["total_numel"] / 2) < res["total_numel"] * 0.01
         assert res["texts_equal"]
         assert res["bucketed_dp_weight_diff"] < 1e-5  # the plain path, its gradients all-reduced in 64 KB buckets
+    if trainer == "oc_grpo":
+        rank0, rank1 = json.loads(out.read_text())
+        assert (rank0["hint_rows"], rank1["hint_rows"]) == (4, 8)
+        assert max(rank0["hint_weight_diff"], rank1["hint_weight_diff"]) < 1e-5
+        assert min(rank0["hint_weight_min"], rank1["hint_weight_min"]) < 0.99  # the weights are not all 1
+        assert rank0["cascade_generations"] == rank1["cascade_generations"] >= 1
+    if trainer == "adakp":
+        rank0, rank1 = json.loads(out.read_text())
+        assert rank0["kp_equal"] and rank1["kp_equal"] and max(rank0["kp_gain_diff"], rank1["kp_gain_diff"]) < 1e-5
+        assert (rank0["kp_chosen"], rank1["kp_chosen"]) == (1, 6) and rank0["kp_rounds"] == rank1["kp_rounds"] == 2
 
 
 TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
@@ -106,6 +120,8 @@ def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_pat
 
 SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its sandbox; direct_opd: teachers given)
     "rloo_sec.py": [*TINY],
+    "oc_grpo.py": [*TINY, "--levels", "4", "--group-size", "4", "--micro-batch-size", "1"],
+    "adakp.py": [*TINY, "--proxy-batch-size", "2", "--correction", "per_token", "--micro-batch-size", "1"],
     "grpo.py": [*TINY, "--fsdp-mixed-precision", "--beta", "0.05"],
     "rlpf.py": ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "24", "--tasks", "sum_range",
                 "--eval-samples", "0", "--eval-every", "0", "--timing-repeats", "1", "--fsdp"],
@@ -120,9 +136,10 @@ SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its 
 def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     """2 ranks, --fsdp: 2 steps, metrics logged once, a sharded checkpoint with each rank's shard file and a
     consolidated model.safetensors. grpo.py also with bf16 compute (--fsdp-mixed-precision) and a sharded
-    reference model; direct_opd.py with its reference and both teachers sharded; ppo_slm.py (SFT and RM on rank 0,
-    then PPO with the policy, reference and reward model sharded) has no checkpoint but its PPO adapter and value
-    head, gathered to rank 0."""
+    reference model; direct_opd.py with its reference and both teachers sharded; oc_grpo.py and adakp.py with work
+    that differs between ranks (guidance cascade, hint and entropy-proxy passes), padded; ppo_slm.py (SFT and RM on
+    rank 0, then PPO with the policy, reference and reward model sharded) has no checkpoint but its PPO adapter and
+    value head, gathered to rank 0."""
     flags = [weak_model_dir if f == "WEAK" else f for f in SMOKE[script]]
     r = _torchrun(script, *flags, "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "smoke")
     assert r.returncode == 0, _failure(r)
@@ -139,7 +156,7 @@ def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     assert os.path.exists(ckpt / "model.safetensors")
 
 
-@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "mada_rl"])
+@pytest.mark.parametrize("trainer", ["mada_rl"])
 def test_trainers_that_cannot_shard_say_so(tmp_path, trainer):
     import importlib
 
