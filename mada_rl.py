@@ -27,6 +27,7 @@ Length is counted in completion tokens (eos included).
     python mada_rl.py --model-name deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dataset my_math.jsonl \\
         --eval-dataset my_math_test.jsonl --device cuda --dtype bfloat16 --max-new-tokens 4096 --lora-r 16 \\
         --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
+    torchrun --nproc-per-node 8 mada_rl.py --device cuda --fsdp ...   # data parallel; --fsdp: base and adapters sharded
 
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
@@ -47,7 +48,8 @@ from tqdm import tqdm
 
 from common.args import TrainArgs, check_at_least
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
-from common.dist import refuse_fsdp
+from common.dist import (all_reduce_grads, all_reduce_mean, gather_shares, init_distributed, is_sharded, rank_world,
+                         shard_models)
 from common.logger import RunLogger, check_run_args, fail
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
@@ -64,8 +66,6 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, da
     """path of a finished run folder: load its adapters and only run the held-out debate (no training)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the frozen base weights (the LoRA weights follow it)"""
-    fsdp: bool = False
-    """FSDP2 sharding (docs/fsdp.md); not supported here: one process, LoRA adapters switched on one base"""
     num_train_problems: int = 1200
     """training problems before the split into N + M disjoint parts (0: all; testbed: 500 per level)"""
     rollout_backend: Literal["hf", "hf_generate"] = "hf"
@@ -86,7 +86,7 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, da
 
     # Rollouts
     num_prompts: int = 16
-    """prompts per step"""
+    """prompts per step (per rank)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
     temperature: float = 1.0
@@ -143,7 +143,7 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, da
 
     # Filled in at runtime
     batch_size: int = 0
-    """rollouts per step = num_prompts * group_size"""
+    """rollouts per step per rank = num_prompts * group_size"""
     minibatch_size: int = 0
     """rollouts per optimizer step = batch_size // num_minibatches"""
     total_steps: int = 0
@@ -355,16 +355,18 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
                 stage: int, agent: int, run_eval=None) -> int:
     """GRPO (stage 1) or the critic policy gradient (stage 3) on one adapter; returns the last global step.
     records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3); run_eval: for --eval-every."""
+    rank, world = rank_world()
     use_adapter(model, name)
-    params = list(adapter_params(model, name).values())
+    params = list(adapter_params(model, name).values())  # under --fsdp: this rank's shards
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    sampler = PromptSampler(records, args.seed + 1000 * stage + agent)
+    sampler = PromptSampler(records, args.seed + 1000 * stage + agent)  # the same on every rank
     steps = args.generator_steps if stage == 1 else args.critic_steps
-    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}")
+    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=rank != 0)
     for step in bar:
         t_step, times = time.time(), {}
-        # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x)
-        batch_records = sampler.next(args.num_prompts)
+        # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x), each
+        # rank taking its share of the world x num_prompts drawn
+        batch_records = sampler.next(args.num_prompts * world)[rank::world]
         problems = batch_records if stage == 1 else [r[0] for r in batch_records]
         texts = ([render_prompt(p, tokenizer) for p in problems] if stage == 1 else
                  [render_critic_prompt(p, props, tokenizer) for p, props, _ in batch_records])
@@ -402,13 +404,14 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             for _ in range(args.num_iterations):
                 order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
                 for mb in order.split(args.minibatch_size):
-                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch
+                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
                     for rows in mb.split(args.micro_batch_size):
                         loss, stats = micro_batch_loss(model, batch, rows, args, counts)
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)  # plain data parallel (nothing to do under --fsdp)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
                     optimizer.step()
 
@@ -428,6 +431,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         if stage == 3:
             metrics["mada/acc_g"] = acc_g_P.mean().item()
             metrics["mada/beats_generators"] = (correct_PG.mean(1) - acc_g_P).mean().item()
+        metrics = all_reduce_mean(metrics)
         if run_eval is not None and args.eval_every and step % args.eval_every == 0:
             metrics.update(run_eval())
             use_adapter(model, name)  # the debate switched adapters
@@ -448,7 +452,7 @@ def critic_records(model, engine, tokenizer, problems: list, generators: list[st
     return [(p, [proposal_text(o[i], p) for o in outs], float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
 
 
-def load_run_agents(run_dir: str, args: Args):
+def load_run_agents(run_dir: str, args: Args, device: str):
     """The base model of a finished run (args.json's --model-name, set in `args`) with its saved adapters."""
     from peft import PeftModel
 
@@ -465,7 +469,7 @@ def load_run_agents(run_dir: str, args: Args):
     critics = sorted((n for n in names if n.startswith("critic")), key=lambda s: int(s[6:]))
     if not generators or (args.debate_rounds > 1 and not critics):
         fail(f"--eval-debate {run_dir}: adapters/ holds {names or 'nothing'}; need gen* and critic* adapters")
-    model = PeftModel.from_pretrained(load_model(args.model_name, args.dtype, args.device),
+    model = PeftModel.from_pretrained(load_model(args.model_name, args.dtype, device),
                                       os.path.join(adir, generators[0]), adapter_name=generators[0])
     for name in generators[1:] + critics:
         model.load_adapter(os.path.join(adir, name), adapter_name=name)
@@ -474,8 +478,7 @@ def load_run_agents(run_dir: str, args: Args):
 
 def main(args: Args) -> dict:
     # setup: flags checked before any work, seeding and the run folder (common/run.py), data, agents
-    refuse_fsdp(args, "mada_rl.py", "it runs on one process (no torchrun), with LoRA adapters switched "
-                "in place on one frozen base, which this FSDP2 wrapping does not shard")
+    rank, world, device = init_distributed(args.device)
     if args.resume or args.save_every:
         fail(f"--{'resume' if args.resume else 'save-every'}: mada_rl.py writes no checkpoints (its three stages are "
              "short; rerun the script, or --eval-debate RUN_DIR for the debate of a finished run)")
@@ -485,33 +488,39 @@ def main(args: Args) -> dict:
         fail(f"--num-critics {args.num_critics}: rounds 2..{args.debate_rounds} of the debate need critics")
     check_at_least(args, 0, "generator_steps", "critic_steps")
     check_run_args(dataclasses.replace(args, total_steps=max(args.total_steps, 1)))
-    run_dir = start_run(args, rank=0)  # seeds python, numpy and torch; batch sizes; the run folder
+    run_dir = start_run(args, rank)  # seeds python, numpy and torch; batch sizes; the run folder
     train_problems, eval_problems = load_train_eval(args)
     if args.eval_debate:  # deployment only, from a finished run folder
-        model, generators, critics = load_run_agents(args.eval_debate.rstrip("/"), args)
+        model, generators, critics = load_run_agents(args.eval_debate.rstrip("/"), args, device)
     else:
         generators, critics = agent_names(args.num_generators, args.num_critics)
         splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
         if min(len(s) for s in splits) < args.num_prompts:
             fail(f"--num-train-problems {args.num_train_problems}: {len(train_problems)} problems split {len(splits)} "
                  f"ways leave {min(len(s) for s in splits)} per agent, fewer than --num-prompts {args.num_prompts}")
-        model = make_agents(load_model(args.model_name, args.dtype, args.device), generators + critics, args)
+        with torch.random.fork_rng():  # the same initial adapters on every rank
+            torch.manual_seed(args.seed)
+            model = make_agents(load_model(args.model_name, args.dtype, device), generators + critics, args)
+    (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
     tokenizer = load_tokenizer(args.model_name)
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank)
 
-    def run_eval():
-        return debate_metrics(debate(model, engine, tokenizer, eval_problems, generators, critics, args.debate_rounds,
-                                     args.max_new_tokens, args.max_prompt_tokens), eval_problems, len(generators))
+    def run_eval():  # each rank debates its share of the problems; every rank gets every answer
+        answers = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics, args.debate_rounds,
+                         args.max_new_tokens, args.max_prompt_tokens)
+        return debate_metrics([[gather_shares(a) for a in rnd] for rnd in answers], eval_problems, len(generators))
 
     if args.eval_debate:
-        print_table({"trained": (res := run_eval())})
+        res = run_eval()
+        if rank == 0:
+            print_table({"trained": res})
         return {"after": res, "run_dir": args.eval_debate}
     per_agent = sum(p.numel() for p in adapter_params(model, generators[0]).values())
     base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     params_info = {"mada/trainable_params_per_agent": per_agent,
                    "mada/trainable_params_total": per_agent * (args.num_generators + args.num_critics),
                    "mada/base_params": base_params, "mada/split_sizes": [len(s) for s in splits]}
-    logger = RunLogger(args, run_dir)
+    logger = RunLogger(args, run_dir, enabled=rank == 0)
     t_start = time.time()
     first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model
     logger.log(0, {**first_eval, **params_info})
@@ -526,7 +535,8 @@ def main(args: Args) -> dict:
     # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
     stage2 = {}
     for m, name in enumerate(critics):
-        records = critic_records(model, engine, tokenizer, splits[args.num_generators + m], generators, args)
+        records = gather_shares(  # each rank's share of the split, then all of it on every rank
+            critic_records(model, engine, tokenizer, splits[args.num_generators + m][rank::world], generators, args))
         acc = np.array([r[2] for r in records])
         stage2[f"mada/critic_data/{name}/acc_g_mean"] = float(acc.mean())
         for k in range(args.num_generators + 1):
@@ -537,8 +547,11 @@ def main(args: Args) -> dict:
     final_eval["mada/train_time_s"] = time.time() - t_start
     logger.log(step, {**final_eval, **stage2})
     logger.close()
-    model.save_pretrained(os.path.join(run_dir, "adapters"))  # adapters/gen0, ..., adapters/critic{M-1}
-
+    adapters = {n: t.full_tensor() if is_sharded(model) else t  # every rank gathers; rank 0 writes
+                for n, t in model.state_dict().items() if "lora_" in n}
+    if rank != 0:
+        return {"after": final_eval, "run_dir": run_dir}
+    model.save_pretrained(os.path.join(run_dir, "adapters"), state_dict=adapters)  # adapters/gen0, ..., critic{M-1}
     print_table({"base": first_eval, "generators": mid_eval, "trained": final_eval})
     print(f"trainable parameters: {per_agent:,} per agent, {params_info['mada/trainable_params_total']:,} in all "
           f"({args.num_generators + args.num_critics} adapters) vs {base_params:,} for full fine-tuning of one model; "

@@ -201,3 +201,28 @@ def refuse_fsdp(args, script: str, reason: str) -> None:
     if getattr(args, "fsdp", False):
         raise SystemExit(f"error: --fsdp is not supported by {script}: {reason}; run it without --fsdp "
                          "(every rank holds the whole model)")
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) when no process group is initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_shares(share: list) -> list:
+    """Every rank passes its share items[rank::world] of one list and gets the whole list back, in its original order
+    (all_gather_object: the items are pickled). The share itself on one process.
+
+    >>> gather_shares(["a", "b"])
+    ['a', 'b']
+    """
+    rank, world = rank_world()
+    if world == 1:
+        return share
+    shares = [None] * world
+    dist.all_gather_object(shares, share)
+    out = [None] * sum(len(s) for s in shares)
+    for r, s in enumerate(shares):
+        out[r::world] = s
+    return out

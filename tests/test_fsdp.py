@@ -132,7 +132,37 @@ def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     assert os.path.exists(ckpt / "model.safetensors")
 
 
-@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "ppo_slm", "mada_rl"])
+def test_mada_rl_fsdp_smoke_run_saves_adapters_that_reproduce_its_debate(tmp_path, weak_model_dir):
+    """mada_rl.py, 2 ranks, --fsdp (frozen base and LoRA adapters sharded per decoder layer): two generators and one
+    critic of one step each, adapters switched between them on every rank; rank 0 writes the adapters, gathered from
+    the shards, and --eval-debate on one process reproduces the run's final held-out debate from them."""
+    import tyro
+    from safetensors.torch import load_file
+
+    import mada_rl
+    from common.logger import read_metrics
+
+    tiny = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "6",
+            "--num-generators", "2", "--num-critics", "1", "--generator-steps", "1", "--critic-steps", "1",
+            "--num-train-problems", "40", "--lora-r", "4"]
+    r = _torchrun("mada_rl.py", "--model-name", weak_model_dir, *tiny, "--fsdp", "--output-dir", str(tmp_path),
+                  "--run-name", "smoke")
+    assert r.returncode == 0, _failure(r)
+    run_dir = tmp_path / "smoke"
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert [x["mada/stage"] for x in rows if "reward/mean" in x] == [1, 1, 3]
+    assert all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows if "reward/mean" in x)
+    for name in ("gen0", "gen1", "critic0"):  # full (gathered) tensors, moved by training from B = 0
+        weights = load_file(run_dir / "adapters" / name / "adapter_model.safetensors")
+        assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape[0] == 4
+        assert max(v.abs().max().item() for k, v in weights.items() if "lora_B" in k) > 0, name
+    again = mada_rl.main(tyro.cli(mada_rl.Args, args=["--eval-debate", str(run_dir), *tiny]))["after"]
+    final = rows[-1]
+    for k in ("mada/eval/single_accuracy", "mada/eval/majority_accuracy", "mada/eval/debate_accuracy"):
+        assert again[k] == pytest.approx(final[k]), k
+
+
+@pytest.mark.parametrize("trainer", ["oc_grpo", "adakp", "ppo_slm"])
 def test_trainers_that_cannot_shard_say_so(tmp_path, trainer):
     import importlib
 
