@@ -132,6 +132,26 @@ def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     assert os.path.exists(ckpt / "model.safetensors")
 
 
+def test_mada_rl_two_rank_lora_update_equals_one_process_update(tmp_path, weak_model_dir):
+    """mada_rl.py's loss on one global batch of 4 groups of 4, the second of three LoRA adapters active, two optimizer
+    steps (clipping active): each rank's half through FSDP2 (base and adapters sharded) and through plain data
+    parallel gives the weights of one unsharded model on the whole batch; the base and the inactive adapters do not
+    move; each rank holds half of the parameters; greedy generation from the sharded model matches with either
+    adapter active."""
+    out = tmp_path / "out.json"
+    r = _torchrun("tests/fsdp_mada_check.py", weak_model_dir, str(out))
+    if r.returncode != 0 and "exitcode: -" in r.stderr:  # a gloo child killed by a signal: retried once (see above)
+        r = _torchrun("tests/fsdp_mada_check.py", weak_model_dir, str(out))
+    assert r.returncode == 0, _failure(r)
+    for res in json.loads(out.read_text()):
+        assert res["moved_gen1"] > 1e-4 and res["moved_other"] == 0.0
+        assert res["max_weight_diff"] < 1e-5 and res["dp_weight_diff"] < 1e-5, res
+        assert res["fsdp_grad_norms"] == pytest.approx(res["plain_grad_norms"], rel=1e-5)
+        assert min(res["plain_grad_norms"]) > 0.05  # --max-grad-norm 0.05: the clip was active on both steps
+        assert abs(res["local_numel"] - res["total_numel"] / 2) < res["total_numel"] * 0.01
+        assert res["texts_equal"] == [True, True]
+
+
 def test_mada_rl_fsdp_smoke_run_saves_adapters_that_reproduce_its_debate(tmp_path, weak_model_dir):
     """mada_rl.py, 2 ranks, --fsdp (frozen base and LoRA adapters sharded per decoder layer): two generators and one
     critic of one step each, adapters switched between them on every rank; rank 0 writes the adapters, gathered from
