@@ -12,15 +12,11 @@ active adapter receives gradients, and each adapter trains on its own disjoint s
     lam   = 0.5 - (len(y^) - min_i len(y^_i)) / (max_i len(y^_i) - min_i len(y^_i))    (min/max over the group)
     R_len = lam if correct else min(0, lam)          (0 for the whole group when all lengths are equal)
 
-Deployment (`debate`): round 1 the generators answer x; rounds 2..R the critics answer x with the
-previous round's answers shown as proposals; the reported accuracy is the paper's rule, the mean over
-critics of the final round's correctness (the majority vote of the final round is reported beside it).
-Metrics: grpo.py's names for the active agent plus mada/* (docs/mada_rl.md); one global step counter across
-agents, stage by stage; mada/eval/debate_accuracy is also logged as eval/greedy_accuracy.
-
-Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume (the three stages are
-short and sequential; rerun a stage by rerunning the script). A_C is used as is (no running-std rescaling).
-Length is counted in completion tokens (eos included).
+Deployment (`debate`): round 1 the generators answer x; rounds 2..R the critics answer x with the previous round's
+answers shown as proposals; accuracy is the paper's rule, the mean over critics of the final round's correctness.
+Metrics: grpo.py's names for the active agent plus mada/* (docs/mada_rl.md), one step counter across agents.
+Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume (rerun the script).
+A_C is used as is (no running-std rescaling). Length is counted in completion tokens (eos included).
 
     python mada_rl.py                                    # embedded CPU demo, about 10 minutes on 2 cores
     python mada_rl.py --eval-debate runs/mada_rl__1__X   # the debate again from a finished run's adapters
@@ -324,7 +320,6 @@ def debate_metrics(answers: list[list[list[str]]], problems: list, num_generator
     improvement rate: among problems whose generator majority is wrong, the fraction of final critic answers
     that are right; break rate: among problems whose majority is right, the fraction of final answers wrong.
     """
-    P = len(problems)
     gen_correct_NP = np.array([score(a, problems) for a in answers[0]])
     final_correct_MP = np.array([score(a, problems) for a in answers[-1]])
     maj_gen_P = np.array(score([majority([a[i] for a in answers[0]], p) for i, p in enumerate(problems)], problems))
@@ -347,7 +342,7 @@ def debate_metrics(answers: list[list[list[str]]], problems: list, num_generator
         if sel.any():
             out[f"mada/eval/debate_accuracy/acc_g_{k}of{num_generators}"] = float(debate_P[sel].mean())
     out["eval/greedy_accuracy"] = out["mada/eval/debate_accuracy"]  # the curve plot's key
-    out["mada/eval/problems"] = P
+    out["mada/eval/problems"] = len(problems)
     return out
 
 
