@@ -485,14 +485,17 @@ def main(args: Args) -> dict:
     check_run_args(dataclasses.replace(args, total_steps=max(args.total_steps, 1)))
     run_dir = start_run(args, rank)  # seeds python, numpy and torch; batch sizes; the run folder
     train_problems, eval_problems = load_train_eval(args)
+    if len(eval_problems) < world:  # the debate and Stage 2 give every rank a share of at least one problem
+        fail(f"--num-eval-problems {args.num_eval_problems}: {len(eval_problems)} held-out problems for {world} ranks")
     if args.eval_debate:  # deployment only, from a finished run folder
         model, generators, critics = load_run_agents(args.eval_debate.rstrip("/"), args, device)
     else:
         generators, critics = agent_names(args.num_generators, args.num_critics)
         splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
-        if min(len(s) for s in splits) < args.num_prompts:
+        if min(len(s) for s in splits) < max(args.num_prompts, world):
             fail(f"--num-train-problems {args.num_train_problems}: {len(train_problems)} problems split {len(splits)} "
-                 f"ways leave {min(len(s) for s in splits)} per agent, fewer than --num-prompts {args.num_prompts}")
+                 f"ways leave {min(len(s) for s in splits)} per agent, fewer than --num-prompts {args.num_prompts}"
+                 + (f" or the {world} ranks" if world > args.num_prompts else ""))
         with torch.random.fork_rng():  # the same initial adapters on every rank
             torch.manual_seed(args.seed)
             model = make_agents(load_model(args.model_name, args.dtype, device), generators + critics, args)
