@@ -156,7 +156,7 @@ def length_reward(correct_PG: torch.Tensor, lengths_PG: torch.Tensor) -> torch.T
     lengths_PG = lengths_PG.float()
     lo_P1, hi_P1 = lengths_PG.min(1, keepdim=True).values, lengths_PG.max(1, keepdim=True).values
     span_P1 = hi_P1 - lo_P1
-    lam_PG = torch.where(span_P1 > 0, 0.5 - (lengths_PG - lo_P1) / span_P1.clamp(min=1e-9), torch.zeros_like(lengths_PG))
+    lam_PG = torch.where(span_P1 > 0, 0.5 - (lengths_PG - lo_P1) / span_P1.clamp(min=1e-9), 0.0)
     return torch.where(correct_PG > 0, lam_PG, lam_PG.clamp(max=0.0))
 
 
@@ -292,11 +292,9 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
     """answers[r][a][i]: round r's agent a's greedy answer to problem i (round 0: generators, then critics)."""
     answers = []
     for r in range(rounds):
-        if r == 0:
-            texts = [render_prompt(p, tokenizer) for p in problems]
-        else:
-            texts = [render_critic_prompt(p, [proposal_text(a[i], p) for a in answers[-1]], tokenizer)
-                     for i, p in enumerate(problems)]
+        texts = ([render_prompt(p, tokenizer) for p in problems] if r == 0 else
+                 [render_critic_prompt(p, [proposal_text(a[i], p) for a in answers[-1]], tokenizer)
+                  for i, p in enumerate(problems)])
         prompt_ids = encode_prompts(tokenizer, texts, max_prompt_tokens)
         round_answers = []
         for name in generators if r == 0 else critics:
@@ -333,8 +331,7 @@ def debate_metrics(answers: list[list[list[str]]], problems: list, num_generator
         "mada/eval/improvement_rate": float(debate_P[maj_gen_P == 0].mean()) if (maj_gen_P == 0).any() else 0.0,
         "mada/eval/break_rate": float(1 - debate_P[maj_gen_P == 1].mean()) if (maj_gen_P == 1).any() else 0.0,
     }
-    for n in range(num_generators):
-        out[f"mada/eval/single_accuracy/gen{n}"] = float(gen_correct_NP[n].mean())
+    out.update({f"mada/eval/single_accuracy/gen{n}": float(gen_correct_NP[n].mean()) for n in range(num_generators)})
     k_P = gen_correct_NP.sum(0).round().astype(int)
     for k in range(num_generators + 1):
         sel = k_P == k
