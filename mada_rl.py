@@ -532,11 +532,10 @@ def main(args: Args) -> dict:
     for m, name in enumerate(critics):
         records = gather_shares(  # each rank's share of the split, then all of it on every rank
             critic_records(model, engine, tokenizer, splits[args.num_generators + m][rank::world], generators, args))
-        acc = np.array([r[2] for r in records])
+        acc, N = np.array([r[2] for r in records]), args.num_generators
         stage2[f"mada/critic_data/{name}/acc_g_mean"] = float(acc.mean())
-        for k in range(args.num_generators + 1):
-            stage2[f"mada/critic_data/{name}/frac_acc_g_{k}of{args.num_generators}"] = float(
-                (np.round(acc * args.num_generators) == k).mean())
+        stage2.update({f"mada/critic_data/{name}/frac_acc_g_{k}of{N}": float((np.round(acc * N) == k).mean())
+                       for k in range(N + 1)})
         step = train_agent(model, engine, tokenizer, name, records, args, logger, step, 3, m, run_eval)
     final_eval = run_eval()
     final_eval["mada/train_time_s"] = time.time() - t_start

@@ -193,6 +193,10 @@ def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
     # the debate before training, every 3 steps (--eval-every 3), after Stage 1 and at the end
     assert [r["step"] for r in rows if "mada/eval/debate_accuracy" in r] == [0, 3, 4, 6, 8]
     assert out["params"]["mada/trainable_params_per_agent"] < out["params"]["mada/base_params"]
+    for c in ("critic0", "critic1"):  # Stage 2: acc_G of each critic's problems, by how many of the 2 generators right
+        fracs = [out["stage2"][f"mada/critic_data/{c}/frac_acc_g_{k}of2"] for k in range(3)]
+        assert sum(fracs) == pytest.approx(1.0)
+        assert out["stage2"][f"mada/critic_data/{c}/acc_g_mean"] == pytest.approx(fracs[1] / 2 + fracs[2])
     # --eval-debate reproduces the final held-out figures from the saved adapters
     again = mada_rl.main(tyro.cli(mada_rl.Args, args=["--eval-debate", run_dir, *tiny]))
     for k in ("mada/eval/single_accuracy", "mada/eval/majority_accuracy", "mada/eval/debate_accuracy"):
