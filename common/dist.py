@@ -217,7 +217,7 @@ def gather_shares(share: list) -> list:
     >>> gather_shares(["a", "b"])
     ['a', 'b']
     """
-    rank, world = rank_world()
+    world = rank_world()[1]
     if world == 1:
         return share
     shares = [None] * world
