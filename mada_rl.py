@@ -12,17 +12,10 @@ active adapter receives gradients, and each adapter trains on its own disjoint s
     lam   = 0.5 - (len(y^) - min_i len(y^_i)) / (max_i len(y^_i) - min_i len(y^_i))    (min/max over the group)
     R_len = lam if correct else min(0, lam)          (0 for the whole group when all lengths are equal)
 
-Deployment (`debate`): round 1 the generators answer x; rounds 2..R the critics answer x with the
-previous round's answers shown as proposals; the reported accuracy is the paper's rule, the mean over
-critics of the final round's correctness (the majority vote of the final round is reported beside it).
-
-Logged metrics (metrics.jsonl; one global step counter across agents, stage by stage): grpo.py's training
-names for the active agent, plus mada/* (stage, agent, length reward, acc_G, the held-out debate before training,
-after Stage 1 and at the end, by round-1 agreement bucket, parameter counts), each explained in docs/mada_rl.md;
-mada/eval/debate_accuracy is also logged as eval/greedy_accuracy.
-
-Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume and data
-parallelism (the three stages are short and sequential; rerun a stage by rerunning the script).
+Deployment (`debate`): round 1 the generators answer x; rounds 2..R the critics answer x with the previous round's
+answers shown as proposals; accuracy is the paper's rule, the mean over critics of the final round's correctness.
+Metrics: grpo.py's names for the active agent plus mada/* (docs/mada_rl.md), one step counter across agents.
+Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume (rerun the script).
 A_C is used as is (no running-std rescaling). Length is counted in completion tokens (eos included).
 
     python mada_rl.py                                    # embedded CPU demo, about 10 minutes on 2 cores
@@ -30,6 +23,7 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
     python mada_rl.py --model-name deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dataset my_math.jsonl \\
         --eval-dataset my_math_test.jsonl --device cuda --dtype bfloat16 --max-new-tokens 4096 --lora-r 16 \\
         --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
+    torchrun --nproc-per-node 8 mada_rl.py --device cuda --fsdp ...   # data parallel; --fsdp: base and adapters sharded
 
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
@@ -48,68 +42,31 @@ import torch
 import tyro
 from tqdm import tqdm
 
+from common.args import TrainArgs, check_at_least
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
-from common.dist import refuse_fsdp
+from common.dist import (all_reduce_grads, all_reduce_mean, gather_shares, init_distributed, is_sharded, rank_world,
+                         shard_models)
 from common.logger import RunLogger, check_run_args, fail
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.args import check_at_least
 from common.run import load_train_eval, minibatch_counts, rollout_perf_metrics, start_run, timed, update_metrics
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, data, rollout engine, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (and of the data splits)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
     eval_debate: str = ""
     """path of a finished run folder: load its adapters and only run the held-out debate (no training)"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the frozen base weights (the LoRA weights follow it)"""
-    fsdp: bool = False
-    """FSDP2 sharding (docs/fsdp.md); not supported here: one process, LoRA adapters switched on one base"""
-
-    # Model and data
-    model_name: str = "testbed-weak"
-    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
-    dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
-    dataset_config: str | None = None
-    """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split used for training (Hugging Face datasets)"""
-    eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
-    eval_split: str = "test"
-    """split used for held-out evaluation"""
-    levels: tuple[int, ...] = (3,)
-    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
-    question_field: str | None = None
-    """record field holding the question (auto-detected when unset)"""
-    answer_field: str | None = None
-    """record field holding the final answer (auto-detected when unset)"""
-    solution_field: str | None = None
-    """record field holding a reference solution (optional)"""
     num_train_problems: int = 1200
     """training problems before the split into N + M disjoint parts (0: all; testbed: 500 per level)"""
-    max_prompt_tokens: int = 0
-    """truncate prompts to their last N tokens (0: never)"""
+    rollout_backend: Literal["hf", "hf_generate"] = "hf"
+    """generation engine: 'hf' (a KV-cache sampling loop on the live weights and active adapter) or
+    'hf_generate' (plain model.generate)"""
 
     # Agents
     num_generators: int = 3
@@ -124,11 +81,8 @@ class Args:
     """modules that get a LoRA (Qwen2 / LLaMA names: every linear projection, as in the paper)"""
 
     # Rollouts
-    rollout_backend: Literal["hf", "hf_generate"] = "hf"
-    """generation engine: 'hf' (a KV-cache sampling loop on the live weights and active adapter) or
-    'hf_generate' (plain model.generate)"""
     num_prompts: int = 16
-    """prompts per step"""
+    """prompts per step (per rank)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
     temperature: float = 1.0
@@ -176,8 +130,8 @@ class Args:
     # Evaluation
     debate_rounds: int = 2
     """R: debate rounds at deployment (1: generators only; the paper's main setting: 2)"""
-    num_eval_problems: int = 200
-    """held-out problems per evaluation"""
+    eval_every: int = 0
+    """also run the held-out debate every N global steps (0: only before training, after Stage 1 and at the end)"""
     eval_samples: int = 0
     """unused by the debate (greedy answers); kept at 0 so the shared flag checks pass"""
     eval_pass_k: int = 0
@@ -185,7 +139,7 @@ class Args:
 
     # Filled in at runtime
     batch_size: int = 0
-    """rollouts per step = num_prompts * group_size"""
+    """rollouts per step per rank = num_prompts * group_size"""
     minibatch_size: int = 0
     """rollouts per optimizer step = batch_size // num_minibatches"""
     total_steps: int = 0
@@ -202,7 +156,7 @@ def length_reward(correct_PG: torch.Tensor, lengths_PG: torch.Tensor) -> torch.T
     lengths_PG = lengths_PG.float()
     lo_P1, hi_P1 = lengths_PG.min(1, keepdim=True).values, lengths_PG.max(1, keepdim=True).values
     span_P1 = hi_P1 - lo_P1
-    lam_PG = torch.where(span_P1 > 0, 0.5 - (lengths_PG - lo_P1) / span_P1.clamp(min=1e-9), torch.zeros_like(lengths_PG))
+    lam_PG = torch.where(span_P1 > 0, 0.5 - (lengths_PG - lo_P1) / span_P1.clamp(min=1e-9), 0.0)
     return torch.where(correct_PG > 0, lam_PG, lam_PG.clamp(max=0.0))
 
 
@@ -283,16 +237,14 @@ def make_agents(base, names: list[str], args: Args):
     """The base model wrapped with one fresh LoRA adapter per name (B = 0: every agent starts as the base)."""
     from peft import LoraConfig, get_peft_model
 
-    def config():
-        return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                          target_modules=list(args.lora_target_modules))
-
+    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                  target_modules=list(args.lora_target_modules))
     try:
-        model = get_peft_model(base, config(), adapter_name=names[0])
+        model = get_peft_model(base, LoraConfig(**config), adapter_name=names[0])
     except ValueError as e:
         fail(f"--lora-target-modules {' '.join(args.lora_target_modules)}: {str(e).splitlines()[0]}")
     for name in names[1:]:
-        model.add_adapter(name, config())
+        model.add_adapter(name, LoraConfig(**config))
     use_adapter(model, names[0])
     return model
 
@@ -312,11 +264,8 @@ def use_adapter(model, name: str) -> None:
 
 def split_problems(problems: list, k: int, seed: int) -> list[list]:
     """k disjoint parts (by question text; duplicate questions are dropped first), shuffled with `seed`."""
-    seen, unique = set(), []
-    for p in problems:
-        if p.question not in seen:
-            seen.add(p.question)
-            unique.append(p)
+    seen = set()
+    unique = [p for p in problems if not (p.question in seen or seen.add(p.question))]  # first of each question
     random.Random(f"mada-split-{seed}").shuffle(unique)
     return [unique[i::k] for i in range(k)]
 
@@ -343,11 +292,9 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
     """answers[r][a][i]: round r's agent a's greedy answer to problem i (round 0: generators, then critics)."""
     answers = []
     for r in range(rounds):
-        if r == 0:
-            texts = [render_prompt(p, tokenizer) for p in problems]
-        else:
-            texts = [render_critic_prompt(p, [proposal_text(a[i], p) for a in answers[-1]], tokenizer)
-                     for i, p in enumerate(problems)]
+        texts = ([render_prompt(p, tokenizer) for p in problems] if r == 0 else
+                 [render_critic_prompt(p, [proposal_text(a[i], p) for a in answers[-1]], tokenizer)
+                  for i, p in enumerate(problems)])
         prompt_ids = encode_prompts(tokenizer, texts, max_prompt_tokens)
         round_answers = []
         for name in generators if r == 0 else critics:
@@ -371,7 +318,6 @@ def debate_metrics(answers: list[list[list[str]]], problems: list, num_generator
     improvement rate: among problems whose generator majority is wrong, the fraction of final critic answers
     that are right; break rate: among problems whose majority is right, the fraction of final answers wrong.
     """
-    P = len(problems)
     gen_correct_NP = np.array([score(a, problems) for a in answers[0]])
     final_correct_MP = np.array([score(a, problems) for a in answers[-1]])
     maj_gen_P = np.array(score([majority([a[i] for a in answers[0]], p) for i, p in enumerate(problems)], problems))
@@ -385,8 +331,7 @@ def debate_metrics(answers: list[list[list[str]]], problems: list, num_generator
         "mada/eval/improvement_rate": float(debate_P[maj_gen_P == 0].mean()) if (maj_gen_P == 0).any() else 0.0,
         "mada/eval/break_rate": float(1 - debate_P[maj_gen_P == 1].mean()) if (maj_gen_P == 1).any() else 0.0,
     }
-    for n in range(num_generators):
-        out[f"mada/eval/single_accuracy/gen{n}"] = float(gen_correct_NP[n].mean())
+    out.update({f"mada/eval/single_accuracy/gen{n}": float(gen_correct_NP[n].mean()) for n in range(num_generators)})
     k_P = gen_correct_NP.sum(0).round().astype(int)
     for k in range(num_generators + 1):
         sel = k_P == k
@@ -394,30 +339,29 @@ def debate_metrics(answers: list[list[list[str]]], problems: list, num_generator
         if sel.any():
             out[f"mada/eval/debate_accuracy/acc_g_{k}of{num_generators}"] = float(debate_P[sel].mean())
     out["eval/greedy_accuracy"] = out["mada/eval/debate_accuracy"]  # the curve plot's key
-    out["mada/eval/problems"] = P
+    out["mada/eval/problems"] = len(problems)
     return out
 
 
 def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, logger, step0: int,
-                stage: int, agent: int) -> int:
+                stage: int, agent: int, run_eval=None) -> int:
     """GRPO (stage 1) or the critic policy gradient (stage 3) on one adapter; returns the last global step.
-
-    records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3)."""
+    records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3); run_eval: for --eval-every."""
+    rank, world = rank_world()
     use_adapter(model, name)
-    params = list(adapter_params(model, name).values())
+    params = list(adapter_params(model, name).values())  # under --fsdp: this rank's shards
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    sampler = PromptSampler(records, args.seed + 1000 * stage + agent)
+    sampler = PromptSampler(records, args.seed + 1000 * stage + agent)  # the same on every rank
     steps = args.generator_steps if stage == 1 else args.critic_steps
-    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}")
+    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=rank != 0)
     for step in bar:
         t_step, times = time.time(), {}
-        # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x)
-        batch_records = sampler.next(args.num_prompts)
-        if stage == 1:
-            problems, texts = batch_records, [render_prompt(p, tokenizer) for p in batch_records]
-        else:
-            problems = [r[0] for r in batch_records]
-            texts = [render_critic_prompt(p, props, tokenizer) for p, props, _ in batch_records]
+        # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x), each
+        # rank taking its share of the world x num_prompts drawn
+        batch_records = sampler.next(args.num_prompts * world)[rank::world]
+        problems = batch_records if stage == 1 else [r[0] for r in batch_records]
+        texts = ([render_prompt(p, tokenizer) for p in problems] if stage == 1 else
+                 [render_critic_prompt(p, props, tokenizer) for p, props, _ in batch_records])
         prompt_ids = encode_prompts(tokenizer, texts, args.max_prompt_tokens)
         with timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
@@ -432,34 +376,34 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
 
         # ALGO LOGIC: 3. advantages: group z-score (generators, ablated critics) or A_C = R_C - 2 acc_G (critics)
         adv_PG, zero_std_P = group_advantages(rewards_PG, args.adv_eps)
-        acc_g_P = None
-        if stage == 3:
-            acc_g_P = torch.tensor([r[2] for r in batch_records], dtype=torch.float32)
-            if args.counterfactual:
-                adv_PG = counterfactual_advantages(rewards_PG, acc_g_P, args.acc_weight)
+        acc_g_P = torch.tensor([r[2] for r in batch_records], dtype=torch.float32) if stage == 3 else None
+        if stage == 3 and args.counterfactual:
+            adv_PG = counterfactual_advantages(rewards_PG, acc_g_P, args.acc_weight)
         adv_B = adv_PG.flatten()
         mask_BC = rollouts.completion_mask_BC.clone()
 
-        # 4. old log-probs only when the ratio can differ from 1
-        needs_old = args.num_iterations > 1 or args.num_minibatches > 1
-        old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
-                       if needs_old else None)
-        batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
-                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B, old_logp_BC=old_logp_BC)
+        # 4. old log-probs (no grad) only when the ratio can differ from 1
+        with timed(times, "logprobs"):
+            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
+                         prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
+                         old_logp_BC=batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                         if needs_old else None)
 
-        # 5. Update of the active adapter only
+        # 5. Update of the active adapter only: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
             sums, grad_norms = {}, []
             for _ in range(args.num_iterations):
                 order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
                 for mb in order.split(args.minibatch_size):
-                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch
+                    counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
                     for rows in mb.split(args.micro_batch_size):
                         loss, stats = micro_batch_loss(model, batch, rows, args, counts)
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
+                    all_reduce_grads(model)  # plain data parallel (nothing to do under --fsdp)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
                     optimizer.step()
 
@@ -476,9 +420,13 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             "mada/len_reward": len_PG.mean().item(), "mada/adv_mean": adv_B.mean().item(),
             "mada/correct_len": (lengths_PG * correct_PG).sum().item() / max(correct_PG.sum().item(), 1.0),
         }
-        if acc_g_P is not None:
+        if stage == 3:
             metrics["mada/acc_g"] = acc_g_P.mean().item()
             metrics["mada/beats_generators"] = (correct_PG.mean(1) - acc_g_P).mean().item()
+        metrics = all_reduce_mean(metrics)
+        if run_eval is not None and args.eval_every and step % args.eval_every == 0:
+            metrics.update(run_eval())
+            use_adapter(model, name)  # the debate switched adapters
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
     return step0 + steps
@@ -490,11 +438,120 @@ def critic_records(model, engine, tokenizer, problems: list, generators: list[st
     outs = []
     for name in generators:
         use_adapter(model, name)
-        greedy = args.proposal_temperature <= 0
-        outs.append(engine.generate(prompt_ids, n=1, temperature=max(args.proposal_temperature, 1e-6),
-                                    top_p=args.top_p, max_new_tokens=args.max_new_tokens, greedy=greedy).texts)
+        outs.append(engine.generate(prompt_ids, n=1, temperature=max(args.proposal_temperature, 1e-6), top_p=args.top_p,
+                                    max_new_tokens=args.max_new_tokens, greedy=args.proposal_temperature <= 0).texts)
     correct_NP = np.array([score(o, problems) for o in outs])
     return [(p, [proposal_text(o[i], p) for o in outs], float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
+
+
+def load_run_agents(run_dir: str, args: Args, device: str):
+    """The base model of a finished run (args.json's --model-name, set in `args`) with its saved adapters."""
+    from peft import PeftModel
+
+    adir = os.path.join(run_dir, "adapters")
+    if not os.path.isdir(adir):
+        fail(f"--eval-debate {run_dir}: no adapters/ folder (not a finished mada_rl.py run folder)")
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            args.model_name = json.load(f)["model_name"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        fail(f"--eval-debate {run_dir}: cannot read args.json ({type(e).__name__})")
+    names = sorted(d for d in os.listdir(adir) if os.path.isfile(os.path.join(adir, d, "adapter_config.json")))
+    generators = sorted((n for n in names if n.startswith("gen")), key=lambda s: int(s[3:]))
+    critics = sorted((n for n in names if n.startswith("critic")), key=lambda s: int(s[6:]))
+    if not generators or (args.debate_rounds > 1 and not critics):
+        fail(f"--eval-debate {run_dir}: adapters/ holds {names or 'nothing'}; need gen* and critic* adapters")
+    model = PeftModel.from_pretrained(load_model(args.model_name, args.dtype, device),
+                                      os.path.join(adir, generators[0]), adapter_name=generators[0])
+    for name in generators[1:] + critics:
+        model.load_adapter(os.path.join(adir, name), adapter_name=name)
+    return model, generators, critics
+
+
+def main(args: Args) -> dict:
+    # setup: flags checked before any work, seeding and the run folder (common/run.py), data, agents
+    rank, world, device = init_distributed(args.device)
+    if args.resume or args.save_every:
+        fail(f"--{'resume' if args.resume else 'save-every'}: mada_rl.py writes no checkpoints (its three stages are "
+             "short; rerun the script, or --eval-debate RUN_DIR for the debate of a finished run)")
+    args.total_steps = args.generator_steps * args.num_generators + args.critic_steps * args.num_critics
+    check_at_least(args, 1, "num_generators", "debate_rounds")
+    if args.num_critics < 1 and args.debate_rounds > 1:
+        fail(f"--num-critics {args.num_critics}: rounds 2..{args.debate_rounds} of the debate need critics")
+    check_at_least(args, 0, "generator_steps", "critic_steps")
+    check_run_args(dataclasses.replace(args, total_steps=max(args.total_steps, 1)))
+    run_dir = start_run(args, rank)  # seeds python, numpy and torch; batch sizes; the run folder
+    train_problems, eval_problems = load_train_eval(args)
+    if len(eval_problems) < world:  # the debate and Stage 2 give every rank a share of at least one problem
+        fail(f"--num-eval-problems {args.num_eval_problems}: {len(eval_problems)} held-out problems for {world} ranks")
+    if args.eval_debate:  # deployment only, from a finished run folder
+        model, generators, critics = load_run_agents(args.eval_debate.rstrip("/"), args, device)
+    else:
+        generators, critics = agent_names(args.num_generators, args.num_critics)
+        splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
+        if min(len(s) for s in splits) < max(args.num_prompts, world):
+            fail(f"--num-train-problems {args.num_train_problems}: {len(train_problems)} problems split {len(splits)} "
+                 f"ways leave {min(len(s) for s in splits)} per agent, fewer than --num-prompts {args.num_prompts}"
+                 + (f" or the {world} ranks" if world > args.num_prompts else ""))
+        with torch.random.fork_rng():  # the same initial adapters on every rank
+            torch.manual_seed(args.seed)
+            model = make_agents(load_model(args.model_name, args.dtype, device), generators + critics, args)
+    (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
+    tokenizer = load_tokenizer(args.model_name)
+    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank)
+
+    def run_eval():  # each rank debates its share of the problems; every rank gets every answer
+        answers = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics, args.debate_rounds,
+                         args.max_new_tokens, args.max_prompt_tokens)
+        return debate_metrics([[gather_shares(a) for a in rnd] for rnd in answers], eval_problems, len(generators))
+
+    if args.eval_debate:
+        res = run_eval()
+        if rank == 0:
+            print_table({"trained": res})
+        return {"after": res, "run_dir": args.eval_debate}
+    per_agent = sum(p.numel() for p in adapter_params(model, generators[0]).values())
+    base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    params_info = {"mada/trainable_params_per_agent": per_agent,
+                   "mada/trainable_params_total": per_agent * (args.num_generators + args.num_critics),
+                   "mada/base_params": base_params, "mada/split_sizes": [len(s) for s in splits]}
+    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    t_start = time.time()
+    first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model
+    logger.log(0, {**first_eval, **params_info})
+
+    # Stage 1: generators, each on its own split
+    step = 0
+    for n, name in enumerate(generators):
+        step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, 1, n, run_eval)
+    mid_eval = run_eval()  # trained generators, untrained critics
+    logger.log(step, mid_eval)
+
+    # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
+    stage2 = {}
+    for m, name in enumerate(critics):
+        records = gather_shares(  # each rank's share of the split, then all of it on every rank
+            critic_records(model, engine, tokenizer, splits[args.num_generators + m][rank::world], generators, args))
+        acc, N = np.array([r[2] for r in records]), args.num_generators
+        stage2[f"mada/critic_data/{name}/acc_g_mean"] = float(acc.mean())
+        stage2.update({f"mada/critic_data/{name}/frac_acc_g_{k}of{N}": float((np.round(acc * N) == k).mean())
+                       for k in range(N + 1)})
+        step = train_agent(model, engine, tokenizer, name, records, args, logger, step, 3, m, run_eval)
+    final_eval = run_eval()
+    final_eval["mada/train_time_s"] = time.time() - t_start
+    logger.log(step, {**final_eval, **stage2})
+    logger.close()
+    adapters = {n: t.full_tensor() if is_sharded(model) else t  # every rank gathers; rank 0 writes
+                for n, t in model.state_dict().items() if "lora_" in n}
+    if rank != 0:
+        return {"after": final_eval, "run_dir": run_dir}
+    model.save_pretrained(os.path.join(run_dir, "adapters"), state_dict=adapters)  # adapters/gen0, ..., critic{M-1}
+    print_table({"base": first_eval, "generators": mid_eval, "trained": final_eval})
+    print(f"trainable parameters: {per_agent:,} per agent, {params_info['mada/trainable_params_total']:,} in all "
+          f"({args.num_generators + args.num_critics} adapters) vs {base_params:,} for full fine-tuning of one model; "
+          f"{final_eval['mada/train_time_s']:.0f} s; run folder {run_dir}")
+    return {"before": first_eval, "generators": mid_eval, "after": final_eval, "stage2": stage2,
+            "params": params_info, "run_dir": run_dir}
 
 
 def print_table(rows: dict) -> None:
@@ -503,114 +560,6 @@ def print_table(rows: dict) -> None:
     print(f"{'held-out (greedy)':<28}" + "".join(f"{k:>14}" for k in rows))
     for k in keys:
         print(f"{k:<28}" + "".join(f"{r[f'mada/eval/{k}']:>14.3f}" for r in rows.values()))
-
-
-def load_run_agents(run_dir: str, args: Args, device: str):
-    """The base model of a finished run with its saved adapters (for --eval-debate)."""
-    from peft import PeftModel
-
-    adir = os.path.join(run_dir, "adapters")
-    if not os.path.isdir(adir):
-        fail(f"--eval-debate {run_dir}: no adapters/ folder (not a finished mada_rl.py run folder)")
-    try:
-        with open(os.path.join(run_dir, "args.json")) as f:
-            saved = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        fail(f"--eval-debate {run_dir}: cannot read args.json ({type(e).__name__})")
-    names = sorted(d for d in os.listdir(adir) if os.path.isfile(os.path.join(adir, d, "adapter_config.json")))
-    generators = sorted((n for n in names if n.startswith("gen")), key=lambda s: int(s[3:]))
-    critics = sorted((n for n in names if n.startswith("critic")), key=lambda s: int(s[6:]))
-    if not generators or (args.debate_rounds > 1 and not critics):
-        fail(f"--eval-debate {run_dir}: adapters/ holds {names or 'nothing'}; need gen* and critic* adapters")
-    tokenizer = load_tokenizer(saved["model_name"])
-    model = None
-    for name in generators + critics:
-        path = os.path.join(adir, name)
-        if model is None:
-            model = PeftModel.from_pretrained(load_model(saved["model_name"], args.dtype, device), path,
-                                              adapter_name=name)
-        else:
-            model.load_adapter(path, adapter_name=name)
-    return model, tokenizer, generators, critics, saved
-
-
-def main(args: Args) -> dict:
-    refuse_fsdp(args, "mada_rl.py", "it runs on one process (no torchrun), with LoRA adapters switched "
-                "in place on one frozen base, which this FSDP2 wrapping does not shard")
-    # sizes, seeding, run folder
-    args.total_steps = args.generator_steps * args.num_generators + args.critic_steps * args.num_critics
-    check_at_least(args, 1, "num_generators", "debate_rounds")
-    if args.num_critics < 1 and args.debate_rounds > 1:
-        fail(f"--num-critics {args.num_critics}: rounds 2..{args.debate_rounds} of the debate need critics")
-    check_at_least(args, 0, "generator_steps", "critic_steps")
-    check_run_args(dataclasses.replace(args, total_steps=max(args.total_steps, 1)))
-    run_dir = start_run(args, rank=0)  # seeds python, numpy and torch; batch sizes; the run folder
-    device = args.device
-
-    if args.eval_debate:  # deployment only, from a finished run folder
-        model, tokenizer, generators, critics, saved = load_run_agents(args.eval_debate.rstrip("/"), args, device)
-        eval_problems = load_train_eval(args)[1]
-        engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
-        res = debate_metrics(debate(model, engine, tokenizer, eval_problems, generators, critics, args.debate_rounds,
-                                    args.max_new_tokens, args.max_prompt_tokens), eval_problems, len(generators))
-        print_table({"trained": res})
-        return {"after": res, "run_dir": args.eval_debate}
-
-    tokenizer = load_tokenizer(args.model_name)
-    train_problems, eval_problems = load_train_eval(args)
-    generators, critics = agent_names(args.num_generators, args.num_critics)
-    splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
-    if min(len(s) for s in splits) < args.num_prompts:
-        fail(f"--num-train-problems {args.num_train_problems}: {len(train_problems)} problems split {len(splits)} ways "
-             f"leave {min(len(s) for s in splits)} per agent, fewer than --num-prompts {args.num_prompts}")
-    base = load_model(args.model_name, args.dtype, device)
-    base_params = sum(p.numel() for p in base.parameters())
-    model = make_agents(base, generators + critics, args)
-    per_agent = sum(p.numel() for p in adapter_params(model, generators[0]).values())
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
-    logger = RunLogger(args, run_dir)
-    params_info = {"mada/trainable_params_per_agent": per_agent,
-                   "mada/trainable_params_total": per_agent * (args.num_generators + args.num_critics),
-                   "mada/base_params": base_params,
-                   "mada/split_sizes": [len(s) for s in splits]}
-
-    def run_eval():
-        return debate_metrics(debate(model, engine, tokenizer, eval_problems, generators, critics, args.debate_rounds,
-                                     args.max_new_tokens, args.max_prompt_tokens), eval_problems, args.num_generators)
-
-    t_start = time.time()
-    first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model
-    logger.log(0, {**first_eval, **params_info})
-
-    # Stage 1: generators, each on its own split
-    step = 0
-    for n, name in enumerate(generators):
-        step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, stage=1, agent=n)
-    mid_eval = run_eval()  # trained generators, untrained critics
-    logger.log(step, mid_eval)
-
-    # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
-    stage2 = {}
-    for m, name in enumerate(critics):
-        records = critic_records(model, engine, tokenizer, splits[args.num_generators + m], generators, args)
-        acc = np.array([r[2] for r in records])
-        stage2.update({f"mada/critic_data/{name}/acc_g_mean": float(acc.mean()),
-                       **{f"mada/critic_data/{name}/frac_acc_g_{k}of{args.num_generators}":
-                          float((np.round(acc * args.num_generators) == k).mean())
-                          for k in range(args.num_generators + 1)}})
-        step = train_agent(model, engine, tokenizer, name, records, args, logger, step, stage=3, agent=m)
-    final_eval = run_eval()
-    final_eval["mada/train_time_s"] = time.time() - t_start
-    logger.log(step, {**final_eval, **stage2})
-    logger.close()
-    model.save_pretrained(os.path.join(run_dir, "adapters"))  # adapters/gen0, ..., adapters/critic{M-1}
-
-    print_table({"base": first_eval, "generators": mid_eval, "trained": final_eval})
-    print(f"trainable parameters: {per_agent:,} per agent, {params_info['mada/trainable_params_total']:,} in all "
-          f"({args.num_generators + args.num_critics} adapters) vs {base_params:,} for full fine-tuning of one model; "
-          f"{final_eval['mada/train_time_s']:.0f} s; run folder {run_dir}")
-    return {"before": first_eval, "generators": mid_eval, "after": final_eval, "stage2": stage2,
-            "params": params_info, "run_dir": run_dir}
 
 
 if __name__ == "__main__":

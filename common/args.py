@@ -35,8 +35,7 @@ class RunArgs:
     """dtype of the policy weights"""
     fsdp: bool = False
     """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
-    root; reference and teacher models too); without it every rank holds the whole model (docs/fsdp.md). grpo,
-    rloo_sec, rlpf and direct_opd; the others stop with a one-line error saying why"""
+    root; reference, teacher and reward models too); without it every rank holds the whole model (docs/fsdp.md)"""
     fsdp_mixed_precision: bool = False
     """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
 

@@ -206,13 +206,6 @@ def max_over_ranks(n: int, model) -> int:
     return int(t.item())
 
 
-def refuse_fsdp(args, script: str, reason: str) -> None:
-    """A trainer that cannot run sharded: a one-line error for --fsdp, before any work."""
-    if getattr(args, "fsdp", False):
-        raise SystemExit(f"error: --fsdp is not supported by {script}: {reason}; run it without --fsdp "
-                         "(every rank holds the whole model)")
-
-
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of an FSDP2 (DTensor) parameter, a plain tensor itself."""
     from torch.distributed.tensor import DTensor
@@ -228,3 +221,28 @@ def broadcast_trainable(model) -> None:
     for p in model.parameters():
         if p.requires_grad:
             dist.broadcast(p.data, src=0)
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) when no process group is initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_shares(share: list) -> list:
+    """Every rank passes its share items[rank::world] of one list and gets the whole list back, in its original order
+    (all_gather_object: the items are pickled). The share itself on one process.
+
+    >>> gather_shares(["a", "b"])
+    ['a', 'b']
+    """
+    world = rank_world()[1]
+    if world == 1:
+        return share
+    shares = [None] * world
+    dist.all_gather_object(shares, share)
+    out = [None] * sum(len(s) for s in shares)
+    for r, s in enumerate(shares):
+        out[r::world] = s
+    return out

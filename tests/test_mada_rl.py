@@ -169,12 +169,19 @@ def test_bad_eval_debate_folder_is_one_line_error(tmp_path):
         mada_rl.main(tyro.cli(mada_rl.Args, args=["--eval-debate", str(tmp_path)]))
 
 
+@pytest.mark.parametrize("flag", [["--resume", "runs/x"], ["--save-every", "2"]])
+def test_checkpoint_flags_are_one_line_errors_before_any_work(tmp_path, flag):
+    with pytest.raises(SystemExit, match=r"^error: --(resume|save-every): mada_rl.py writes no checkpoints"):
+        mada_rl.main(tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), *flag]))
+    assert os.listdir(tmp_path) == []
+
+
 # All three stages in process on a tiny random model, then --eval-debate from the run folder
 def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
     tiny = ["--model-name", tiny_model_dir, "--num-generators", "2", "--num-critics", "2", "--num-prompts", "4",
             "--group-size", "4", "--max-new-tokens", "4", "--num-eval-problems", "12", "--num-train-problems", "80",
             "--generator-steps", "2", "--critic-steps", "2", "--lora-r", "4"]
-    args = tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--run-name", "r", *tiny])
+    args = tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--run-name", "r", "--eval-every", "3", *tiny])
     out = mada_rl.main(args)
     run_dir = out["run_dir"]
     for name in ("gen0", "gen1", "critic0", "critic1"):
@@ -183,7 +190,13 @@ def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
     stages = [r["mada/stage"] for r in rows if "mada/stage" in r]
     assert stages == [1] * 4 + [3] * 4
     assert all("mada/acc_g" in r for r in rows if r.get("mada/stage") == 3)
+    # the debate before training, every 3 steps (--eval-every 3), after Stage 1 and at the end
+    assert [r["step"] for r in rows if "mada/eval/debate_accuracy" in r] == [0, 3, 4, 6, 8]
     assert out["params"]["mada/trainable_params_per_agent"] < out["params"]["mada/base_params"]
+    for c in ("critic0", "critic1"):  # Stage 2: acc_G of each critic's problems, by how many of the 2 generators right
+        fracs = [out["stage2"][f"mada/critic_data/{c}/frac_acc_g_{k}of2"] for k in range(3)]
+        assert sum(fracs) == pytest.approx(1.0)
+        assert out["stage2"][f"mada/critic_data/{c}/acc_g_mean"] == pytest.approx(fracs[1] / 2 + fracs[2])
     # --eval-debate reproduces the final held-out figures from the saved adapters
     again = mada_rl.main(tyro.cli(mada_rl.Args, args=["--eval-debate", run_dir, *tiny]))
     for k in ("mada/eval/single_accuracy", "mada/eval/majority_accuracy", "mada/eval/debate_accuracy"):
