@@ -95,8 +95,9 @@ def test_infinite_loop_times_out_within_the_limit():
 
 def test_cpu_time_limit_kills_a_busy_program():
     limits = sandbox.Limits(call_s=30.0, run_s=30.0, cpu_s=1, mode=MODE, label=LABEL)
-    v, took = judge("def solve(n):\n    while True:\n        pass\n", limits)
-    assert v.status == "timeout" and took < 15.0
+    v, _ = judge("def solve(n):\n    while True:\n        pass\n", limits)
+    # the CPU limit ended it, not the 30 s wall-clock limits (how long 1 CPU second takes depends on the load)
+    assert v.status == "timeout" and v.message.startswith("CPU time limit"), v.message
 
 
 def test_fork_bomb_is_contained_and_reaped():
