@@ -5,7 +5,7 @@
 
 Part 1 runs each trainer's short configuration with `--device cuda` on the embedded testbed (the cached testbed
 models; nothing is downloaded) and reports whether it finished, its last logged reward and held-out accuracy, and
-peak GPU memory. Part 2 runs grpo.py on a Qwen2 with Qwen2.5-0.5B's body (hidden 896, 24 layers, 14 heads, random
+peak GPU memory; then the same under torchrun (one rank, NCCL) with `--fsdp`. Part 2 runs grpo.py on a Qwen2 with Qwen2.5-0.5B's body (hidden 896, 24 layers, 14 heads, random
 weights, the testbed's byte tokenizer, an eos it never samples so every completion runs to the cap): 16 prompts x
 8 samples x 128 new tokens, micro-batch 32, step time = median of the steps after the first. Configurations: the
 plain path in bfloat16 with our sampling loop (`hf`) and with `model.generate` (`hf_generate`), and `--fsdp` under
@@ -95,12 +95,17 @@ def fmt(x) -> str:
     return str(x)
 
 
-def part1(device: str, out_dir: str, timeout: int) -> list[dict]:
+def part1(device: str, out_dir: str, timeout: int, fsdp: bool = False) -> list[dict]:
+    """Each trainer's short run; with `fsdp`, under torchrun (one rank: NCCL on a GPU) with --fsdp."""
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if fsdp
+              else [sys.executable])
     results = []
     for script, flags in SHORT.items():
-        run_dir = os.path.join(out_dir, script[:-3])
-        rc, wall, tail = run([sys.executable, script, *flags, "--device", device, "--output-dir", run_dir], timeout)
-        res = {"script": script, "rc": rc, "wall_s": round(wall, 1), **last_values(run_dir)}
+        run_dir = os.path.join(out_dir, script[:-3] + ("-fsdp" if fsdp else ""))
+        rc, wall, tail = run([*launch, script, *flags, "--device", device, "--output-dir", run_dir,
+                              *(["--fsdp"] if fsdp else [])], timeout)
+        res = {"script": script + (" --fsdp" if fsdp else ""), "rc": rc, "wall_s": round(wall, 1),
+               **last_values(run_dir)}
         if rc != 0:
             res["error"] = tail
         print(json.dumps(res), flush=True)
@@ -179,7 +184,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check this script without a GPU")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "gpu_check.md"))
-    p.add_argument("--only", choices=["all", "smoke", "scale"], default="all")
+    p.add_argument("--only", choices=["all", "smoke", "smoke_fsdp", "scale"], default="all")
     p.add_argument("--timeout", type=int, default=150, help="seconds per command")
     a = p.parse_args()
     import torch
@@ -193,6 +198,7 @@ def main():
     print(header, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         smoke = part1(device, tmp, a.timeout) if a.only in ("all", "smoke") else []
+        smoke += part1(device, tmp, a.timeout, fsdp=True) if a.only in ("all", "smoke_fsdp") else []
         scale = part2(device, tmp, a.timeout, a.dry_run) if a.only in ("all", "scale") else []
     write_report(a.out, header, smoke, scale)
     print(open(a.out).read())
