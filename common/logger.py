@@ -281,8 +281,8 @@ def _load(path: str, where: str) -> dict:
 
 def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
     """Read and check a --resume folder before any work: one-line errors for a missing folder, no checkpoint,
-    a truncated or corrupt trainer_state.pt, missing weights, a world size other than the saved one, or a
-    corrupt metrics.jsonl. None without --resume."""
+    a truncated or corrupt trainer_state.pt, missing weights or shards, or a corrupt metrics.jsonl. None without
+    --resume. With a world size other than the saved one, no per-rank state is read (see `resume`)."""
     if not resume:
         return None
     run_dir, where = resume.rstrip("/"), f"--resume {resume}"
@@ -305,11 +305,12 @@ def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
     if state.get("fsdp") and not os.path.isdir(os.path.join(path, SHARDED)):
         fail(f"{where}: {os.path.join(path, SHARDED)} is missing (the model and optimizer shards of an --fsdp run)")
     saved_world = state.get("world_size", 1)
-    if saved_world != world:
-        fail(f"{where}: the checkpoint was written by {saved_world} process(es) and this run has {world}; each rank's "
-             f"RNG and sampler state is saved per rank, so resume with the same number of processes")
     own_path = os.path.join(path, f"rank{rank}_state.pt")
-    if os.path.exists(own_path):
+    if saved_world != world:  # weights, optimizer and schedule load; each rank's data and random streams start anew
+        epochs = [_load(os.path.join(path, f"rank{r}_state.pt"), where).get("sampler", {}).get("epoch", 0)
+                  for r in range(saved_world) if os.path.exists(os.path.join(path, f"rank{r}_state.pt"))]
+        own = {"new_epoch": max(epochs, default=0) + 1, "saved_world": saved_world}
+    elif os.path.exists(own_path):
         own = _load(own_path, where)
     elif world == 1 and "rng" in state:  # a checkpoint written before the per-rank files
         own = state
@@ -339,13 +340,26 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
             model.load_state_dict(load_model(ckpt["path"], dtype, device).state_dict())
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(own["sampler"])
+        if "new_epoch" not in own:
+            sampler.load_state_dict(own["sampler"])
     except Exception as e:
         fail(f"{where}: {ckpt['path']} does not fit this run ({_first_line(e)})")
-    set_rng_state(own["rng"])
+    note = ""
+    if "new_epoch" in own:  # another number of processes: the saved per-rank streams do not map onto these ranks,
+        # so each rank begins a new shuffled pass over its prompts and a random stream of its own (not bit for bit)
+        sampler.load_state_dict({"epoch": own["new_epoch"], "pos": 0})
+        seed = 1_000_003 * (state["step"] + 1) + ckpt["rank"]
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        note = (f" on {dist.get_world_size() if dist.is_initialized() else 1} process(es), saved by "
+                f"{own['saved_world']}: weights, optimizer and schedule restored (resharded under --fsdp); each rank "
+                f"starts a new pass over its prompts and a new random stream")
+    else:
+        set_rng_state(own["rng"])
     if ckpt["rank"] == 0:
         truncate_metrics(ckpt["run_dir"], state["step"])
-        print(f"resumed {ckpt['run_dir']} from step {state['step']}")
+        print(f"resumed {ckpt['run_dir']} from step {state['step']}{note}")
     return state
 
 

@@ -3,6 +3,7 @@ the same global batch, a sharded checkpoint resumes, the trainers run, and the p
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,8 +19,9 @@ def _failure(r) -> str:
     return "\n".join(errors) + "\n...\n" + r.stderr[-2000:]
 
 
-def _torchrun(*cmd, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *cmd], cwd=ROOT,
+def _torchrun(*cmd, env=None, timeout=300, nproc=2):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           *cmd], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
@@ -85,7 +87,8 @@ def _weights(folder) -> dict:
 def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_path, weak_model_dir):
     """grpo.py --fsdp on 2 ranks, killed right after the sharded checkpoint of step 2 and resumed from it: steps 3-4
     log what an uninterrupted run logs, and the consolidated export (from_pretrained) has the same final weights.
-    Each rank wrote its own shard files; the export's config names the plain model class."""
+    Each rank wrote its own shard files; the export's config names the plain model class. The same checkpoint also
+    loads on 1 rank (DCP reshards): with no step left to train, the weights it ends with are the step-2 export."""
     from common.logger import KILL_AFTER_SAVE
 
     straight = _run("grpo.py", tmp_path, "--run-name", "straight")
@@ -96,6 +99,8 @@ def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_pat
     state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 2 and state["fsdp"] and state["world_size"] == 2
     assert sorted(os.listdir(run_dir / "checkpoint" / "sharded")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    elastic = tmp_path / "elastic"
+    shutil.copytree(run_dir, elastic)
     resumed = _run("grpo.py", tmp_path, "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
@@ -116,6 +121,36 @@ def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_pat
     plain = _torchrun("grpo.py", *TINY[:-1], "--total-steps", "6", "--resume", str(run_dir))
     assert plain.returncode != 0 and "written with --fsdp; resume with it" in plain.stderr
     assert (run_dir / "metrics.jsonl").read_text() == before
+    reshard = subprocess.run([sys.executable, "-c", RESHARD_CHECK, str(elastic / "checkpoint"), weak_model_dir],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert reshard.returncode == 0, reshard.stderr[-3000:]
+    res = json.loads(reshard.stdout.strip().splitlines()[-1])
+    assert res["max_diff"] == 0.0 and res["params_with_moments"] == res["params"], res
+    one = _torchrun("grpo.py", *TINY, "--total-steps", "3", "--resume", str(elastic), nproc=1)
+    assert one.returncode == 0, _failure(one)
+    assert "from step 2 on 1 process(es), saved by 2" in one.stdout
+    assert sorted(_rows(elastic)) == [1, 2, 3]
+    rewritten = torch.load(elastic / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert rewritten["step"] == 3 and rewritten["world_size"] == 1
+
+
+RESHARD_CHECK = """
+import json, sys, types
+import torch
+from transformers import AutoModelForCausalLM
+from common.dist import full_weights, shard_models
+from common.logger import load_sharded
+from common.models import load_model
+ckpt, base = sys.argv[1:3]
+model = load_model(base, "float32", "cpu")  # the untrained weights, sharded over a group of one
+shard_models(types.SimpleNamespace(fsdp=True), model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+load_sharded(ckpt, model, optimizer)  # the shards of 2 ranks, resharded by DCP
+export = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+diff = max((t - export[k]).abs().max().item() for k, t in full_weights(model) if k in export)
+moments = sum(1 for s in optimizer.state.values() if s["exp_avg"].abs().sum() > 0)  # AdamW state from the shards
+print(json.dumps({"max_diff": diff, "params_with_moments": moments, "params": len(list(model.parameters()))}))
+"""
 
 
 SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its sandbox; direct_opd: teachers given)

@@ -78,13 +78,21 @@ def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_di
     assert _next_draws(script, own[0], 0) != _next_draws(script, own[1], 1)
 
 
-def test_a_different_world_size_is_refused(tmp_path, finished_run, tiny_model_dir):
+def test_a_different_world_size_resumes_with_new_streams(tmp_path, finished_run, tiny_model_dir, capsys):
+    """A checkpoint written by 2 processes resumes on 1 (FSDP2 shards in test_fsdp.py): weights, optimizer and
+    schedule are restored; the saved per-rank data and random streams do not map onto other ranks, so each rank
+    starts a new pass over its prompts (the epoch after the last saved one) and a new random stream, and says so."""
     run_dir = str(tmp_path / "run")
     shutil.copytree(finished_run, run_dir)
     state_path = os.path.join(run_dir, "checkpoint", "trainer_state.pt")
     torch.save({**torch.load(state_path, weights_only=False), "world_size": 2}, state_path)
-    with pytest.raises(SystemExit, match=r"^error: --resume .*written by 2 process\(es\) and this run has 1"):
-        grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", tiny_model_dir, "--resume", run_dir]))
+    saved_epoch = torch.load(os.path.join(run_dir, "checkpoint", "rank0_state.pt"), weights_only=False)["sampler"]["epoch"]
+    out = grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", tiny_model_dir, "--resume", run_dir,
+                                              "--total-steps", "3"]))
+    assert "from step 2 on 1 process(es), saved by 2: weights, optimizer and schedule restored" in capsys.readouterr().out
+    assert sorted(_rows(out["run_dir"])) == [1, 2, 3]
+    own = torch.load(os.path.join(run_dir, "checkpoint", "rank0_state.pt"), weights_only=False)
+    assert own["sampler"]["epoch"] == saved_epoch + 1 and own["sampler"]["pos"] == 2  # the new pass, one step in
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "direct_opd"])
