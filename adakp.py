@@ -25,6 +25,7 @@ Metrics beyond grpo.py's: kp/*, is/* (with --correction) and time/proxy, describ
     python adakp.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset knowrl_train.jsonl --eval-dataset test.jsonl \\
         --solution-field solution --device cuda --dtype bfloat16 --max-new-tokens 2048 --probe-len 96 \\
         --num-prompts 32 --group-size 8 --micro-batch-size 8 --learning-rate 1e-6 --total-steps 200
+    torchrun --nproc-per-node 8 adakp.py --device cuda --fsdp ...   # one rank per GPU; --fsdp: FSDP2 sharding
 
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, V vocabulary, N probe contexts
 scored in one forward, K the entropy proxy's top-k.

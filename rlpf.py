@@ -27,6 +27,7 @@ its affine drift recalibration (references are re-timed every step instead), dyn
     python rlpf.py --reward correctness                     # RLVR ablation (also: dmc, speed_ungated)
     python rlpf.py --model-name Qwen/Qwen2.5-Coder-0.5B-Instruct --dataset my_tasks.jsonl --device cuda \\
         --dtype bfloat16 --max-new-tokens 512 --num-prompts 16 --group-size 8 --learning-rate 1e-6
+    torchrun --nproc-per-node 8 rlpf.py --device cuda --fsdp ...    # one rank per GPU; --fsdp: FSDP2 sharding
 
 Shapes: B rows (= P tasks x G group), T tokens per row, C completion tokens.
 """
