@@ -113,11 +113,16 @@ def part1(device: str, out_dir: str, timeout: int, fsdp: bool = False) -> list[d
     return results
 
 
-def part2(device: str, out_dir: str, timeout: int, dry_run: bool) -> list[dict]:
+SIZES = {"0.5b": (896, 24, 14), "1.5b": (1536, 28, 12)}
+"""hidden, layers, heads of the Qwen2.5 bodies (our MLP is 4 x hidden and the vocabulary the testbed's 259 bytes, so
+the parameter counts are smaller than Qwen's: the report prints ours)"""
+
+
+def part2(device: str, out_dir: str, timeout: int, dry_run: bool, size: str = "0.5b", quick: bool = False) -> list[dict]:
     from benchmarks.bench_models import forced_length, random_model
 
-    model = forced_length(random_model(64, 2, 4) if dry_run else random_model(896, 24, 14))
-    prompts, group, tokens, steps = (2, 4, 8, 3) if dry_run else (16, 8, 128, 5)
+    model = forced_length(random_model(64, 2, 4) if dry_run else random_model(*SIZES[size]))
+    prompts, group, tokens, steps = (2, 4, 8, 3) if dry_run else (16, 8, 64 if quick else 128, 4 if quick else 5)
     base = ["grpo.py", "--model-name", model, "--device", device, "--num-prompts", str(prompts), "--group-size",
             str(group), "--max-new-tokens", str(tokens), "--total-steps", str(steps), "--micro-batch-size", "32",
             "--learning-rate", "1e-6", "--eval-every", "0", "--num-eval-problems", "0", "--eval-samples", "0"]
@@ -129,13 +134,16 @@ def part2(device: str, out_dir: str, timeout: int, dry_run: bool) -> list[dict]:
                ("--fsdp, 1 rank, float32 + --fsdp-mixed-precision", [*torchrun, *base, "--fsdp",
                                                                       "--fsdp-mixed-precision"], 16),
                ("--fsdp, 1 rank, bfloat16", [*torchrun, *base, "--fsdp", "--dtype", "bfloat16"], 8)]
+    if quick:  # the memory comparison only: plain bf16 against float32 master weights under --fsdp
+        configs = [configs[0], configs[2]]
     params = count_parameters(model)
     results = []
     for name, cmd, state_bytes in configs:
         run_dir = os.path.join(out_dir, "scale-" + str(len(results)))
         rc, wall, tail = run([*cmd, "--output-dir", run_dir], timeout)
         rows = step_times(run_dir)[1:]  # the first step pays for allocation and kernel selection
-        res = {"config": name, "rc": rc, "wall_s": round(wall, 1), "steps_timed": len(rows), "params_m": params / 1e6,
+        res = {"config": name, "size": size, "tokens": tokens, "rc": rc, "wall_s": round(wall, 1),
+               "steps_timed": len(rows), "params_m": params / 1e6,
                "state_gb_on_paper": round(state_bytes * params / 2**30, 2)}
         if rows:
             for key, label in (("perf/step_time", "step_s"), ("time/generate", "generate_s"),
@@ -159,7 +167,8 @@ def write_report(path: str, header: str, smoke: list[dict], scale: list[dict]) -
         cells = [r["script"], r["rc"], r["wall_s"], r.get("reward/mean", ""), r.get("eval/greedy_accuracy", ""),
                  r.get("perf/peak_mem_gb", "")]
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
-    lines += ["", "## grpo.py at 0.5B (16 prompts x 8 samples x 128 tokens; medians over steps 2..)", "",
+    lines += ["", f"## grpo.py at {scale[0]['size'] if scale else ''} scale (16 prompts x 8 samples x "
+              f"{scale[0]['tokens'] if scale else ''} tokens; medians over steps 2..)", "",
               "| configuration | exit | step (s) | generate (s) | update (s) | decode ms/token | gen tokens/s | "
               "peak GPU memory (GiB) | training state on paper (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in scale:
@@ -168,9 +177,9 @@ def write_report(path: str, header: str, smoke: list[dict], scale: list[dict]) -
                                                                    "peak_mem_gb", "state_gb_on_paper")]
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
     if scale:
-        lines += ["", f"The model has {scale[0]['params_m']:.0f} M parameters (the byte vocabulary makes it smaller "
-                  "than Qwen2.5-0.5B's 494 M); 'on paper' = (8 or 16 bytes) x parameters, without activations, "
-                  "logits or FSDP's transient gathered layers (docs/fsdp.md)."]
+        lines += ["", f"The model has {scale[0]['params_m']:.0f} M parameters (the byte vocabulary and a 4 x hidden MLP "
+                  "make it smaller than the Qwen2.5 model of that body); 'on paper' = (8 or 16 bytes) x parameters, "
+                  "without activations, logits or FSDP's transient gathered layers (docs/fsdp.md)."]
     errors = [r for r in smoke + scale if "error" in r]
     if errors:
         lines += ["", "## Errors", ""]
@@ -186,6 +195,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "gpu_check.md"))
     p.add_argument("--only", choices=["all", "smoke", "smoke_fsdp", "scale"], default="all")
     p.add_argument("--timeout", type=int, default=150, help="seconds per command")
+    p.add_argument("--size", choices=sorted(SIZES), default="0.5b", help="model body of part 2")
+    p.add_argument("--quick", action="store_true", help="part 2: two configurations, 64 tokens, 4 steps")
     a = p.parse_args()
     import torch
 
@@ -199,7 +210,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         smoke = part1(device, tmp, a.timeout) if a.only in ("all", "smoke") else []
         smoke += part1(device, tmp, a.timeout, fsdp=True) if a.only in ("all", "smoke_fsdp") else []
-        scale = part2(device, tmp, a.timeout, a.dry_run) if a.only in ("all", "scale") else []
+        scale = part2(device, tmp, a.timeout, a.dry_run, a.size, a.quick) if a.only in ("all", "scale") else []
     write_report(a.out, header, smoke, scale)
     print(open(a.out).read())
 
