@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py             # one CUDA GPU, about 5 minutes; writes benchmarks/gpu_check.md
     python benchmarks/gpu_check.py --dry-run   # the same commands on CPU at toy sizes (checks this script)
+    python benchmarks/gpu_check.py --only scale --size 1.5b --quick   # the memory comparison on a 1.5B body
 
 Part 1 runs each trainer's short configuration with `--device cuda` on the embedded testbed (the cached testbed
 models; nothing is downloaded) and reports whether it finished, its last logged reward and held-out accuracy, and
