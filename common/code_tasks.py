@@ -27,7 +27,6 @@ import math
 import os
 import random
 import re
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -262,31 +261,26 @@ def sft_program(rng: random.Random, task: CodeTask) -> str:
 
 def ensure_code_model(progress: bool = True) -> str:
     """The folder of the warm-started `testbed-code` model, built once (about a minute on 2 cores) and cached."""
+    from common.testbed import build_once
+
     path = code_model_dir()
-    done = os.path.join(path, "TESTBED_DONE.json")
-    weights = os.path.join(path, "model.safetensors")
-    def built():
-        return os.path.exists(done) and os.path.exists(weights) and os.path.getsize(weights) > 0
 
-    if built():
-        return path
-    from common.testbed import build_lock
+    def done():
+        weights = os.path.join(path, "model.safetensors")
+        return os.path.exists(os.path.join(path, "TESTBED_DONE.json")) and os.path.exists(weights) and \
+            os.path.getsize(weights) > 0
 
-    with build_lock(path):  # ranks or runs on a cold cache: the first builds, the others wait and load
-        if not built():
-            shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
-            _build_code_model(path, progress)
-    return path
+    return build_once(path, done, lambda tmp: _build_code_model(tmp, progress))
 
 
-def _build_code_model(path: str, progress: bool) -> None:
+def _build_code_model(tmp: str, progress: bool) -> None:
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from common.testbed import build_tokenizer, cache_root
+    from common.testbed import build_tokenizer
 
-    print(f"[testbed] building {CODE_MODEL} into {path} (once; cached afterwards)")
+    print(f"[testbed] building {CODE_MODEL} into {code_model_dir()} (once; cached afterwards)")
     r = CODE_RECIPE
     tok = build_tokenizer()
     torch.manual_seed(0)
@@ -323,15 +317,8 @@ def _build_code_model(path: str, progress: bool) -> None:
         opt.step()
         sched.step()
     model.eval()
-    os.makedirs(cache_root(), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
         json.dump(dict(name=CODE_MODEL, recipe_hash=code_recipe_hash(), recipe=CODE_RECIPE, final_loss=loss.item(),
                        seconds=round(time.time() - t0, 1)), f)
-    try:  # one atomic rename; never delete `path` here: another rank may be loading from it right now
-        os.replace(tmp, path)
-    except OSError:  # another process (a torchrun rank, a parallel test) finished first: keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -24,7 +24,6 @@ a hash of the recipe, and rebuilt when missing or corrupt.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -322,19 +321,25 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
                      f"{r['target']} within {r['max_steps']} steps; the recipe in common/testbed.py needs changing")
 
 
-@contextlib.contextmanager
-def build_lock(path: str):
-    """An exclusive lock on `path`.lock while `path` is built: processes that need the same cache entry at once
-    (torchrun ranks, parallel test runs) wait for the first one's build instead of building side by side."""
+def build_once(path: str, done, build) -> str:
+    """The cache folder `path`, made by `build(tmp)` into a temporary folder that then becomes `path` by one atomic
+    rename (a crash mid-build leaves no half-written `path`), unless `done()` says it is already there. Processes that
+    need it at once (torchrun ranks, parallel runs) take turns on an exclusive lock on `path`.lock: the first
+    builds, the others wait, then find it done and load it."""
     import fcntl
 
+    if done():
+        return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done():
+            shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder
+            tmp = f"{path}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            os.replace(tmp, path)
+    return path
 
 
 def _is_valid(path: str, name: str) -> bool:
@@ -357,19 +362,11 @@ def ensure_testbed_model(name: str, progress: bool = True, seed: int = 0) -> str
     if name not in RECIPES:
         raise ValueError(f"unknown testbed model {name!r}; choose one of {sorted(RECIPES)}")
     path = model_dir(name, seed)
-    if _is_valid(path, name):
-        return path
-    with build_lock(path):  # ranks or runs on a cold cache: the first builds, the others wait and load
-        if _is_valid(path, name):
-            return path
+
+    def build(tmp):
         import torch
 
         print(f"[testbed] building {name} into {path} (once; cached afterwards)")
-        if os.path.exists(path):
-            shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(cache_root(), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         threads = torch.get_num_threads()
         tokenizer = build_tokenizer()
         model = build_model(name, tokenizer, seed=seed)
@@ -378,12 +375,10 @@ def ensure_testbed_model(name: str, progress: bool = True, seed: int = 0) -> str
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
-            json.dump(dict(name=name, recipe_hash=recipe_hash(name), recipe=RECIPES[name], seed=seed, warm_start_steps=steps), f)
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-        return path
+            json.dump(dict(name=name, recipe_hash=recipe_hash(name), recipe=RECIPES[name], seed=seed,
+                           warm_start_steps=steps), f)
+
+    return build_once(path, lambda: _is_valid(path, name), build)
 
 
 def problem_to_dict(p: Problem) -> dict:
@@ -463,10 +458,7 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
         return None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with build_lock(path):  # ranks or runs on a cold cache: the first builds, the others wait and load
-        if _teacher_done(path, recipe):
-            return pre, path
-        shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder (finished ones appear by one rename)
+    def build(tmp):
         print(f"[testbed] building the teacher pair's post model into {path} (once; cached afterwards)")
         tokenizer = AutoTokenizer.from_pretrained(pre)
         threads = torch.get_num_threads()
@@ -476,16 +468,11 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
         kept_frac = rft_improve(model, tokenizer, recipe, progress)
         after = greedy_accuracy(model, tokenizer, test)
         torch.set_num_threads(threads)
-        tmp = f"{path}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "TEACHER_DONE.json"), "w") as f:
             json.dump(dict(hash=teacher_pair_hash(recipe), recipe=recipe, pre=pre, kept_frac=kept_frac,
                            heldout_greedy_accuracy=dict(pre=before, post=after)), f, indent=2)
-        try:  # one atomic rename; never delete `path` here: another process may be loading from it right now
-            os.replace(tmp, path)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
         print(f"[testbed] teacher pair: level-{recipe['level']} held-out greedy accuracy {before:.3f} -> {after:.3f}")
-        return pre, path
+
+    return pre, build_once(path, lambda: _teacher_done(path, recipe), build)

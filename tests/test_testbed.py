@@ -82,25 +82,33 @@ def test_warm_started_model_lands_in_the_calibrated_band(weak_model_dir):
     assert acc[1] > acc[3] > acc[4] >= acc[5]
 
 
-LOCK_WORKER = """
-import sys, time
-from common.testbed import build_lock
-with build_lock(sys.argv[1]):
-    start = time.time()
-    time.sleep(0.5)
-    print(start, time.time())
+BUILD_WORKER = """
+import os, sys, time
+from common.testbed import build_once
+path, log = sys.argv[1:3]
+
+def build(tmp):
+    with open(log, "a") as f:
+        f.write("built\\n")
+    time.sleep(1.0)
+    os.makedirs(tmp)
+    open(os.path.join(tmp, "ok"), "w").close()
+
+print(build_once(path, lambda: os.path.exists(os.path.join(path, "ok")), build))
 """
 
 
-def test_build_lock_lets_one_process_build_at_a_time(tmp_path):
-    """Processes that need the same cache entry at once (two torchrun ranks on a cold cache) build it one after
-    another: the second waits for the first, then finds the entry built."""
+def test_build_once_lets_one_process_build_and_the_others_load(tmp_path):
+    """Processes that need the same cache entry at once (torchrun ranks on a cold cache) build it once: the others
+    wait on the lock, then find it done; the entry appears whole, by one rename."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = [subprocess.Popen([sys.executable, "-c", LOCK_WORKER, str(tmp_path / "entry")], cwd=root,
+    entry, log = tmp_path / "entry", tmp_path / "log"
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_WORKER, str(entry), str(log)], cwd=root,
                               stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    spans = sorted(tuple(map(float, p.communicate(timeout=60)[0].split())) for p in procs)
-    assert all(p.returncode == 0 for p in procs)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # no two holders at once
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and outs == [str(entry)] * 3
+    assert log.read_text() == "built\n"  # one build in all
+    assert os.path.exists(entry / "ok") and not [f for f in os.listdir(tmp_path) if ".tmp" in f]
