@@ -282,7 +282,7 @@ def _load(path: str, where: str) -> dict:
 def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
     """Read and check a --resume folder before any work: one-line errors for a missing folder, no checkpoint,
     a truncated or corrupt trainer_state.pt, missing weights or shards, or a corrupt metrics.jsonl. None without
-    --resume. With a world size other than the saved one, no per-rank state is read (see `resume`)."""
+    --resume. With a world size other than the saved one, rank r reads saved rank r % saved_world's state (`resume`)."""
     if not resume:
         return None
     run_dir, where = resume.rstrip("/"), f"--resume {resume}"
@@ -305,17 +305,14 @@ def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
     if state.get("fsdp") and not os.path.isdir(os.path.join(path, SHARDED)):
         fail(f"{where}: {os.path.join(path, SHARDED)} is missing (the model and optimizer shards of an --fsdp run)")
     saved_world = state.get("world_size", 1)
-    own_path = os.path.join(path, f"rank{rank}_state.pt")
-    if saved_world != world:  # weights, optimizer and schedule load; each rank's data and random streams start anew
-        epochs = [_load(os.path.join(path, f"rank{r}_state.pt"), where).get("sampler", {}).get("epoch", 0)
-                  for r in range(saved_world) if os.path.exists(os.path.join(path, f"rank{r}_state.pt"))]
-        own = {"new_epoch": max(epochs, default=0) + 1, "saved_world": saved_world}
-    elif os.path.exists(own_path):
+    own_path = os.path.join(path, f"rank{rank % saved_world}_state.pt")  # another world size: saved rank r % saved
+    if os.path.exists(own_path):
         own = _load(own_path, where)
     elif world == 1 and "rng" in state:  # a checkpoint written before the per-rank files
         own = state
     else:
         fail(f"{where}: {own_path} is missing (this process's RNG and sampler state)")
+    own = {**own, "saved_world": saved_world}
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         read_metrics(metrics, where)
@@ -340,23 +337,24 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
             model.load_state_dict(load_model(ckpt["path"], dtype, device).state_dict())
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        if "new_epoch" not in own:
-            sampler.load_state_dict(own["sampler"])
+        sampler.load_state_dict(own["sampler"])
     except Exception as e:
         fail(f"{where}: {ckpt['path']} does not fit this run ({_first_line(e)})")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     note = ""
-    if "new_epoch" in own:  # another number of processes: the saved per-rank streams do not map onto these ranks,
-        # so each rank begins a new shuffled pass over its prompts and a random stream of its own (not bit for bit)
-        sampler.load_state_dict({"epoch": own["new_epoch"], "pos": 0})
-        seed = 1_000_003 * (state["step"] + 1) + ckpt["rank"]
+    if own["saved_world"] == world:
+        set_rng_state(own["rng"])
+    else:  # rank r took saved rank r % saved_world's sampler position (a prompt order is drawn from the sampler's own
+        # seed, seed + rank); the random streams are new, seeded from this rank's seed and the step, so that no two
+        # ranks repeat each other (not bit for bit what an uninterrupted run would do)
+        seed = torch.initial_seed() * 1_000_003 + state["step"]
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
-        note = (f" on {dist.get_world_size() if dist.is_initialized() else 1} process(es), saved by "
-                f"{own['saved_world']}: weights, optimizer and schedule restored (resharded under --fsdp); each rank "
-                f"starts a new pass over its prompts and a new random stream")
-    else:
-        set_rng_state(own["rng"])
+        if isinstance(getattr(sampler, "rng", None), random.Random):  # a sampler with its own generator (rloo_sec)
+            sampler.rng.seed(seed)
+        note = (f" on {world} process(es), saved by {own['saved_world']}: weights, optimizer and schedule restored "
+                f"(resharded under --fsdp), data positions from rank r % {own['saved_world']}, new random streams")
     if ckpt["rank"] == 0:
         truncate_metrics(ckpt["run_dir"], state["step"])
         print(f"resumed {ckpt['run_dir']} from step {state['step']}{note}")

@@ -78,21 +78,28 @@ def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_di
     assert _next_draws(script, own[0], 0) != _next_draws(script, own[1], 1)
 
 
-def test_a_different_world_size_resumes_with_new_streams(tmp_path, finished_run, tiny_model_dir, capsys):
+@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec"])  # rloo_sec: a curriculum sampler with its own generator
+def test_a_different_world_size_resumes_with_new_streams(tmp_path, tiny_model_dir, capsys, trainer):
     """A checkpoint written by 2 processes resumes on 1 (FSDP2 shards in test_fsdp.py): weights, optimizer and
-    schedule are restored; the saved per-rank data and random streams do not map onto other ranks, so each rank
-    starts a new pass over its prompts (the epoch after the last saved one) and a new random stream, and says so."""
-    run_dir = str(tmp_path / "run")
-    shutil.copytree(finished_run, run_dir)
+    schedule are restored, rank r continues from saved rank r % 2's sampler state (grpo's prompt order, rloo_sec's
+    curriculum), with new random streams, as the resume line says."""
+    import importlib
+
+    module = importlib.import_module(trainer)
+    flags = [*TINY, "--model-name", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "run"]
+    run_dir = module.main(tyro.cli(module.Args, args=[*flags, "--total-steps", "2"]))["run_dir"]
     state_path = os.path.join(run_dir, "checkpoint", "trainer_state.pt")
     torch.save({**torch.load(state_path, weights_only=False), "world_size": 2}, state_path)
-    saved_epoch = torch.load(os.path.join(run_dir, "checkpoint", "rank0_state.pt"), weights_only=False)["sampler"]["epoch"]
-    out = grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", tiny_model_dir, "--resume", run_dir,
-                                              "--total-steps", "3"]))
+    saved = torch.load(os.path.join(run_dir, "checkpoint", "rank0_state.pt"), weights_only=False)
+    capsys.readouterr()
+    module.main(tyro.cli(module.Args, args=[*flags, "--resume", run_dir, "--total-steps", "3"]))
     assert "from step 2 on 1 process(es), saved by 2: weights, optimizer and schedule restored" in capsys.readouterr().out
-    assert sorted(_rows(out["run_dir"])) == [1, 2, 3]
+    assert sorted(_rows(run_dir)) == [1, 2, 3]
     own = torch.load(os.path.join(run_dir, "checkpoint", "rank0_state.pt"), weights_only=False)
-    assert own["sampler"]["epoch"] == saved_epoch + 1 and own["sampler"]["pos"] == 2  # the new pass, one step in
+    if trainer == "grpo":  # saved rank 0's place in the data, one step on
+        assert own["sampler"] == {"epoch": saved["sampler"]["epoch"], "pos": saved["sampler"]["pos"] + 2}
+    else:  # the curriculum's state (its own kind of sampler) carried over and one more feedback step counted
+        assert own["sampler"]["steps"] == saved["sampler"]["steps"] + 1
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "direct_opd"])
