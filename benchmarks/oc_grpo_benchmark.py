@@ -1,6 +1,10 @@
-"""Vanilla GRPO vs OC-GRPO vs OC-GRPO without the context-shift correction, on the hardest testbed level.
+"""Vanilla GRPO vs OC-GRPO vs OC-GRPO without the context-shift correction, on the hardest testbed level, with a
+compute-matched GRPO control.
 
-Same problems, steps, seeds and optimiser for the three; each row is one run. Prints (and writes to
+Same problems, steps, seeds and optimiser for all; each row is one run. The cascade draws G more rollouts for each
+prefix fraction it tries on an all-fail group, so OC-GRPO samples several times GRPO's rollouts; the control is GRPO
+with its group size raised to the rollouts per prompt the OC-GRPO run of the same seed drew (rounded), so that any
+gain that is only more sampling shows there too. Prints (and writes to
 benchmarks/oc_grpo_benchmark.md) unguided held-out accuracy before/after, the fraction of groups
 with a learning signal, and the fraction of all-fail groups the cascade rescued.
 
@@ -10,6 +14,7 @@ with a learning signal, and the fraction of all-fail groups the cascade rescued.
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -47,6 +52,8 @@ class Bench:
     """held-out problems per evaluation"""
     eval_samples: int = 4
     """samples per held-out problem for sampled accuracy (greedy is always measured)"""
+    matched_control: bool = True
+    """after each OC-GRPO run, run GRPO with the group size that draws as many rollouts per prompt"""
     threads: int = 1
     """torch CPU threads (the 1M-parameter testbed model gains nothing from more on a shared CPU)"""
     output_dir: str = "runs/oc_grpo_benchmark"
@@ -60,9 +67,10 @@ def run_one(bench: Bench, name: str, module, extra: list, seed: int) -> dict:
            "--num-prompts", str(bench.num_prompts), "--group-size", str(bench.group_size),
            "--learning-rate", str(bench.learning_rate), "--num-eval-problems", str(bench.num_eval_problems),
            "--eval-samples", str(bench.eval_samples), "--eval-every", "0", "--output-dir", bench.output_dir,
-           "--run-name", f"{name.replace(' ', '').replace(',', '_')}__{seed}__{int(time.time())}", *extra]
+           "--run-name", re.sub(r"\W+", "", name) + f"__{seed}__{int(time.time())}", *extra]
     t0 = time.time()
-    out = module.main(tyro.cli(module.Args, args=cli))
+    args = tyro.cli(module.Args, args=cli)
+    out = module.main(args)
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
     zero = sum(r.get("guide/zero_reward_groups", 0.0) for r in rows)
     return {
@@ -76,20 +84,32 @@ def run_one(bench: Bench, name: str, module, extra: list, seed: int) -> dict:
         "train_acc_last10": float(np.mean([r["train/accuracy"] for r in rows[-10:]])),
         "is_weight_mean": float(np.mean([r["is/weight_mean"] for r in rows if r.get("guide/guided_groups")]
                                         or [np.nan])),
+        "rollouts_per_prompt": float(np.mean([sampled_rollouts(r, args.group_size, args.num_prompts)
+                                                for r in rows])) / args.num_prompts,
         "run_dir": out["run_dir"],
     }
 
 
+def sampled_rollouts(row: dict, group_size: int, num_prompts: int) -> float:
+    """Rollouts one step drew: P x G, plus G for each prefix fraction the cascade tried on each all-fail group (a
+    group rescued at the i-th fraction cost i tries; one never rescued tried them all)."""
+    fracs = sorted(float(k[len("guide/groups_at_f"):]) for k in row if k.startswith("guide/groups_at_f"))
+    tries = sum((i + 1) * row[f"guide/groups_at_f{f:g}"] for i, f in enumerate(fracs))
+    tries += len(fracs) * (row.get("guide/zero_reward_groups", 0.0) - row.get("guide/rescued_groups", 0.0))
+    return group_size * (num_prompts + tries)
+
+
 def table(results: list) -> str:
     head = ("| method | seed | greedy acc before -> after | sampled acc before -> after | groups with signal "
-            "| all-fail groups rescued | unguided train acc (first 10 -> last 10 steps) | IS weight mean | minutes |")
-    lines = [head, "|" + "---|" * 9]
+            "| all-fail groups rescued | unguided train acc (first 10 -> last 10 steps) | IS weight mean "
+            "| rollouts per prompt | minutes |")
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         f = lambda x: "n/a" if x != x else f"{x:.3f}"  # noqa: E731 - nan -> n/a
         lines.append(f"| {r['method']} | {r['seed']} | {r['greedy_before']:.3f} -> {r['greedy_after']:.3f} | "
                      f"{r['sampled_before']:.3f} -> {r['sampled_after']:.3f} | {r['signal_groups']:.3f} | "
                      f"{f(r['rescued'])} | {r['train_acc_first10']:.3f} -> {r['train_acc_last10']:.3f} | "
-                     f"{f(r['is_weight_mean'])} | {r['minutes']:.1f} |")
+                     f"{f(r['is_weight_mean'])} | {r['rollouts_per_prompt']:.1f} | {r['minutes']:.1f} |")
     return "\n".join(lines)
 
 
@@ -98,11 +118,16 @@ def main(bench: Bench) -> list:
     os.makedirs(bench.output_dir, exist_ok=True)
     results = []
     for seed in bench.seeds:
-        for name, module, extra in METHODS:
+        runs = list(METHODS)
+        while runs:
+            name, module, extra = runs.pop(0)
             results.append(run_one(bench, name, module, extra, seed))
             with open(os.path.join(bench.output_dir, "results.jsonl"), "a") as f:  # partial results survive a kill
                 f.write(json.dumps(results[-1]) + "\n")
             print(table(results), flush=True)
+            if name == "OC-GRPO" and bench.matched_control:
+                g = max(bench.group_size, round(results[-1]["rollouts_per_prompt"]))
+                runs.append((f"GRPO, compute-matched (G = {g})", grpo, ["--group-size", str(g)]))
     text = table(results)
     with open(bench.report, "w") as f:
         f.write(f"# OC-GRPO benchmark (testbed level {bench.level})\n\n"
