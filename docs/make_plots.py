@@ -76,7 +76,7 @@ COMPARISONS = {
                       "speed_ungated": "speed, ungated"}, [1, 2], [
         ("training programs: pass rate", "train/pass_rate", 5),
         ("training programs: share of correct ones >= 2x faster than the baseline", "train/fast_frac", 5)]),
-    "adakp_arms": ("benchmarks/adakp_benchmark.py on a borrowed model, 30 steps of 8 x 8, level 4",
+    "adakp_arms": ("python benchmarks/adakp_benchmark.py --output-dir runs/adakp_benchmark (60 steps of 8 x 8, level 4)",
                    "runs/adakp_benchmark/{variant}__{seed}__*",
                    {"adakp": "adakp", "static": "static", "random": "random", "all": "all KPs", "none": "no KPs"},
                    [1, 2], [
