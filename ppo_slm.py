@@ -116,12 +116,12 @@ class Args:
     # Stage 2: reward model
     reward_model: str = ""
     """path of a trained reward model (sequence-classification folder): skips RM training"""
-    rm_steps: int = 300
+    rm_steps: int = 900
     """reward-model optimizer steps"""
     rm_batch_size: int = 32
     """preference pairs per RM step"""
-    rm_lr: float = 2e-3
-    """reward-model learning rate"""
+    rm_lr: float = 5e-4
+    """reward-model learning rate (testbed pair accuracy: 0.96-0.98 at 5e-4 x 900 steps, 0.79 at 2e-3 x 300)"""
     rm_lora_r: int = 16
     """reward-model LoRA rank (alpha = 2r; the score head is trained in full)"""
     rm_init: str = "sft"

@@ -9,14 +9,15 @@ greedy decoding on held-out problems (200 per cell), through the prompts the tra
                     the distractors alone move it by < 0.05
   5. critic format  (MADA-RL, mada_rl.render_critic_prompt) level 3, three proposals: one right raises accuracy
                     >= 0.10 over none; three wrong keep it >= half of none
+  6. reward model   (ppo_slm.py) its SFT and reward-model stages with their defaults on testbed-weak: held-out pair
+                    accuracy on right-vs-wrong answers >= 0.90 (ppo_slm seed = build seed + 1)
 
     python benchmarks/testbed_premises.py              # seeds 0 and 1; writes benchmarks/testbed_premises.md
     python benchmarks/testbed_premises.py --seeds 0    # the default models only
 
 Exits 1 when a premise fails. Build seed 0 is the cached default; other seeds build beside it (about 1.5 minutes a
 model on 2 cores). The teacher pair is built from the seed-0 testbed-weak only, so premise 3's second half is
-measured once. A sixth premise (ppo_slm.py's reward model separating right from wrong answers) needs the SFT and
-reward-model stages of ppo_slm.py and is reported by that script (`rm/heldout_pair_accuracy`), not here.
+measured once. Premise 6 trains ppo_slm.py's SFT adapter and reward model (about 1.5 minutes a seed).
 """
 
 import argparse
@@ -52,6 +53,30 @@ def accuracy(model, tok, problems, prompts) -> float:
     return sum(t.strip() == p.answer for t, p in zip(out.texts, problems)) / len(problems)
 
 
+def reward_model_pair_accuracy(model_dir: str, seed: int) -> float:
+    """ppo_slm.py's stages 1 and 2 with its default flags (as its main runs them), then the held-out pair accuracy."""
+    import tempfile
+
+    import tyro
+    from peft import PeftModel
+
+    import ppo_slm
+    from common.models import load_model, load_score_model, load_tokenizer
+
+    args = tyro.cli(ppo_slm.Args, args=["--model-name", model_dir, "--seed", str(seed)])
+    tok = load_tokenizer(model_dir)
+    train = ppo_slm.build_examples(args, "train", args.num_train_examples, args.seed)
+    heldout = ppo_slm.build_examples(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        ppo_slm.train_sft(args, model_dir, tok, train, os.path.join(tmp, "sft"), "cpu")
+        PeftModel.from_pretrained(load_model(model_dir), os.path.join(tmp, "sft")).merge_and_unload().save_pretrained(
+            os.path.join(tmp, "merged"))
+        tok.save_pretrained(os.path.join(tmp, "merged"))
+        ppo_slm.train_reward_model(args, os.path.join(tmp, "merged"), tok, train, os.path.join(tmp, "rm"), "cpu")
+        rm = load_score_model(os.path.join(tmp, "rm")).eval()
+        return ppo_slm.pair_accuracy(rm, tok, heldout[: args.num_eval_pairs])
+
+
 def measure(seed: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,7 +84,8 @@ def measure(seed: int) -> dict:
         return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
     m, t0 = {}, time.time()
-    weak, tok = load(ensure_testbed_model("testbed-weak", progress=False, seed=seed))
+    weak_dir = ensure_testbed_model("testbed-weak", progress=False, seed=seed)
+    weak, tok = load(weak_dir)
     m["build s: weak"] = round(time.time() - t0)
     test = {lv: make_suite("test", levels=(lv,), n_per_level=N, seed=1000) for lv in (1, 2, 3, 4, 5)}
     acc = lambda model, lv, render: accuracy(model, tok, test[lv], [render(p) for p in test[lv]])  # noqa: E731
@@ -82,6 +108,9 @@ def measure(seed: int) -> dict:
 
     m["weak L3, 1 of 3 proposals right"] = acc(weak, 3, lambda p: critic(p, 1))
     m["weak L3, 0 of 3 proposals right"] = acc(weak, 3, lambda p: critic(p, 0))
+    t0 = time.time()
+    m["weak, ppo_slm reward model pair accuracy"] = reward_model_pair_accuracy(weak_dir, seed + 1)
+    m["s: ppo_slm SFT + RM"] = round(time.time() - t0)
     t0 = time.time()
     strong, _ = load(ensure_testbed_model("testbed-strong", progress=False, seed=seed))
     m["build s: strong"] = round(time.time() - t0)
@@ -118,6 +147,8 @@ def premises(m: dict) -> list[tuple[str, str, bool | None]]:
          m["weak L3, 1 of 3 proposals right"] - m["weak L3"] >= 0.10),
         ("5. L3 0 of 3 right >= none / 2", f"{m['weak L3, 0 of 3 proposals right']:.3f} vs {m['weak L3']:.3f}",
          m["weak L3, 0 of 3 proposals right"] >= m["weak L3"] / 2),
+        ("6. reward model pair accuracy >= 0.90", f"{m['weak, ppo_slm reward model pair accuracy']:.3f}",
+         m["weak, ppo_slm reward model pair accuracy"] >= 0.90),
     ]
     return rows
 
