@@ -13,7 +13,6 @@ two different adapters active.
 """
 
 import copy
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ from common.data import encode_prompts, load_problems, render_prompt  # noqa: E4
 from common.dist import all_reduce_grads, all_reduce_sum, full_weights, init_distributed, shard_models  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.rollout import HFEngine, batched_logprobs  # noqa: E402
-from fsdp_update_check import update  # noqa: E402
+from fsdp_update_check import update, write_gathered  # noqa: E402
 
 
 def main():
@@ -83,11 +82,7 @@ def main():
               "local_numel": sum(p.to_local().numel() for p in model.parameters()),
               "total_numel": sum(p.numel() for p in plain.parameters()),
               "dp_weight_diff": max((p - q).abs().max().item() for p, q in zip(dp.parameters(), plain.parameters()))}
-    results = [None] * world
-    torch.distributed.all_gather_object(results, result)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    write_gathered(result, out_path, world)
 
 
 if __name__ == "__main__":

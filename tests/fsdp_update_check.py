@@ -74,6 +74,15 @@ def select_kps(module, model, tok, problems, rank, sharded):
                                 sharded)
 
 
+def write_gathered(result: dict, out_path: str, world: int) -> None:
+    """Every rank's `result`, gathered, written by rank 0 to `out_path` as a JSON list (the test reads it)."""
+    results = [None] * world
+    torch.distributed.all_gather_object(results, result)
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main():
     trainer, model_dir, out_path = sys.argv[1:4]
     module = importlib.import_module(trainer)
@@ -156,11 +165,7 @@ def main():
               "fsdp_grad_norms": fsdp_norms, "local_numel": local_numel,
               "total_numel": sum(p.numel() for p in plain.parameters()), "texts_equal": got == want,
               "bucketed_dp_weight_diff": dp_diff, **extra}
-    results = [None] * world
-    torch.distributed.all_gather_object(results, result)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    write_gathered(result, out_path, world)
 
 
 if __name__ == "__main__":
