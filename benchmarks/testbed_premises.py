@@ -54,27 +54,18 @@ def accuracy(model, tok, problems, prompts) -> float:
 
 
 def reward_model_pair_accuracy(model_dir: str, seed: int) -> float:
-    """ppo_slm.py's stages 1 and 2 with its default flags (as its main runs them), then the held-out pair accuracy."""
+    """ppo_slm.py itself with its default flags and no PPO step: its SFT and reward-model stages, then the held-out
+    pair accuracy it reports."""
     import tempfile
 
     import tyro
-    from peft import PeftModel
 
     import ppo_slm
-    from common.models import load_model, load_score_model, load_tokenizer
 
-    args = tyro.cli(ppo_slm.Args, args=["--model-name", model_dir, "--seed", str(seed)])
-    tok = load_tokenizer(model_dir)
-    train = ppo_slm.build_examples(args, "train", args.num_train_examples, args.seed)
-    heldout = ppo_slm.build_examples(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        ppo_slm.train_sft(args, model_dir, tok, train, os.path.join(tmp, "sft"), "cpu")
-        PeftModel.from_pretrained(load_model(model_dir), os.path.join(tmp, "sft")).merge_and_unload().save_pretrained(
-            os.path.join(tmp, "merged"))
-        tok.save_pretrained(os.path.join(tmp, "merged"))
-        ppo_slm.train_reward_model(args, os.path.join(tmp, "merged"), tok, train, os.path.join(tmp, "rm"), "cpu")
-        rm = load_score_model(os.path.join(tmp, "rm")).eval()
-        return ppo_slm.pair_accuracy(rm, tok, heldout[: args.num_eval_pairs])
+        args = tyro.cli(ppo_slm.Args, args=["--model-name", model_dir, "--seed", str(seed), "--total-steps", "0",
+                                            "--output-dir", tmp])
+        return ppo_slm.main(args)["rm_accuracy"]
 
 
 def measure(seed: int) -> dict:
