@@ -45,14 +45,14 @@ import tyro
 
 from common import sandbox
 from common.args import RunArgs
-from common.code_tasks import (CODE_MODEL, TASKS, ensure_code_model, extract_program, judge, load_tasks,
-                               render_code_prompt)
+from common.code_tasks import CODE_MODEL, ensure_code_model, extract_program, judge, render_code_prompt, select_tasks
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
-from common.run import make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics, start_run, step_bar, timed
+from common.run import (make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics, start_run, step_bar, timed,
+                        update_metrics)
 
 
 @dataclass
@@ -360,7 +360,7 @@ def code_metrics(judged: list, prefix: str) -> dict:
 
 def evaluate_code(engine, tokenizer, tasks: list, args: Args) -> dict:
     """One greedy and --eval-samples sampled programs per task, judged; eval/greedy_* and eval/* metrics."""
-    prompt_ids = encode_prompts(tokenizer, [render_prompt(t, tokenizer) for t in tasks])
+    prompt_ids = encode_prompts(tokenizer, [render_code_prompt(t, tokenizer) for t in tasks])
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=args.max_new_tokens, greedy=True)
     out = code_metrics(judge_programs(tasks, [extract_program(x, t.entry) for x, t in zip(greedy.texts, tasks)],
                                       args)[0], "eval/greedy_")
@@ -374,25 +374,9 @@ def evaluate_code(engine, tokenizer, tasks: list, args: Args) -> dict:
     return out
 
 
-def render_prompt(task, tokenizer) -> str:
-    """The compact prompt for the embedded model; a chat instruction through the chat template otherwise."""
-    if not getattr(tokenizer, "chat_template", None):
-        return render_code_prompt(task)
-    return tokenizer.apply_chat_template([{"role": "user", "content": render_code_prompt(task, chat=True)}],
-                                         tokenize=False, add_generation_prompt=True)
-
-
-def load_code_tasks(args: Args) -> list:
-    tasks = TASKS if args.dataset == "embedded" else load_tasks(args.dataset)
-    unknown = [n for n in args.tasks if n not in tasks]
-    if unknown:
-        raise SystemExit(f"error: --tasks {' '.join(unknown)}: no such task in {args.dataset} (have {sorted(tasks)})")
-    return [tasks[n] for n in (args.tasks or tasks)]
-
-
 def score_file(args: Args) -> dict:
     """--score-file: judge one program, print one JSON line, return it. Exits 0 whatever the program does."""
-    tasks = {t.name: t for t in load_code_tasks(args)}
+    tasks = {t.name: t for t in select_tasks(args.dataset, args.tasks)}
     if args.task not in tasks:
         raise SystemExit(f"error: --task {args.task}: no such task (have {sorted(tasks)})")
     task = tasks[args.task]
@@ -421,7 +405,7 @@ def main(args: Args) -> dict:
     run_dir = start_run(args, rank)
     model_path = ensure_code_model() if args.model_name == CODE_MODEL else args.model_name
     tokenizer = load_tokenizer(model_path)
-    train_tasks = load_code_tasks(args)
+    train_tasks = select_tasks(args.dataset, args.tasks)
     eval_tasks = train_tasks  # the same tasks: the evaluation measures the policy, not generalisation
     print(f"sandbox isolation: {sandbox.isolation()}")
     model = load_model(model_path, args.dtype, device)
@@ -446,7 +430,7 @@ def main(args: Args) -> dict:
         t_step, times = time.time(), {}
         # 1. Rollouts: G programs for each of num_prompts tasks
         tasks = sampler.next(args.num_prompts)
-        prompt_ids = encode_prompts(tokenizer, [render_prompt(t, tokenizer) for t in tasks])
+        prompt_ids = encode_prompts(tokenizer, [render_code_prompt(t, tokenizer) for t in tasks])
         with timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
@@ -502,14 +486,12 @@ def main(args: Args) -> dict:
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
         # other sums (the vllm sampler's rollout/* included) are over tokens
-        n_updates = args.num_iterations * args.num_minibatches
-        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(), **code_metrics(judged, "train/"), **timing_stats,
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
+            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                             mask_BC.sum().item() * args.num_iterations),
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         metrics = all_reduce_mean(metrics)

@@ -176,12 +176,24 @@ def extract_program(completion: str, entry: str = "solve") -> str | None:
     return text
 
 
-def render_code_prompt(task: CodeTask, chat: bool = False) -> str:
-    """The prompt text. The embedded model is trained on the compact form; a chat model gets an instruction."""
-    if chat:
-        return (f"{task.statement}\nWrite a fast Python function `{task.signature}`. Reply with the program only, "
-                f"in one ```python block.")
-    return f"# {task.name}\n"  # short: the tiny model only has to tell the tasks apart
+def render_code_prompt(task: CodeTask, tokenizer=None) -> str:
+    """The prompt text: the compact form the embedded model is trained on, or, for a tokenizer with a chat template,
+    an instruction through that template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return f"# {task.name}\n"  # short: the tiny model only has to tell the tasks apart
+    instruction = (f"{task.statement}\nWrite a fast Python function `{task.signature}`. Reply with the program only, "
+                   f"in one ```python block.")
+    return tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def select_tasks(dataset: str, names=()) -> list:
+    """The tasks of `dataset` ('embedded' or a JSONL file) named in `names` (all when empty), in the order asked."""
+    tasks = TASKS if dataset == "embedded" else load_tasks(dataset)
+    unknown = [n for n in names if n not in tasks]
+    if unknown:
+        fail(f"--tasks {' '.join(unknown)}: no such task in {dataset} (have {sorted(tasks)})")
+    return [tasks[n] for n in (names or tasks)]
 
 
 @functools.lru_cache(maxsize=64)
