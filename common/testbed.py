@@ -325,20 +325,28 @@ def build_once(path: str, done, build) -> str:
     """The cache folder `path`, made by `build(tmp)` into a temporary folder that then becomes `path` by one atomic
     rename (a crash mid-build leaves no half-written `path`), unless `done()` says it is already there. Processes that
     need it at once (torchrun ranks, parallel runs) take turns on an exclusive lock on `path`.lock: the first
-    builds, the others wait, then find it done and load it."""
+    builds, the others wait, then find it done and load it. Under torchrun only rank 0 builds: while a process group
+    is up, transformers' save_pretrained writes the weights on rank 0 alone, so a build on another rank would leave a
+    folder without them; the other ranks wait for rank 0's."""
     import fcntl
+    import time
 
-    if done():
-        return path
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not done():
-            shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder
-            tmp = f"{path}.tmp{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            build(tmp)
-            os.replace(tmp, path)
+    import torch.distributed as dist
+
+    builder = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+    while not done():
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if builder and not done():
+                shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder
+                tmp = f"{path}.tmp{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                build(tmp)
+                os.replace(tmp, path)
+        if builder:
+            break
+        time.sleep(0.5)  # rank 0 has not taken the lock yet
     return path
 
 

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _failure(r) -> str:
     """What a failed torchrun says: the children's error lines first (torchrun's own summary is last)."""
-    errors = [ln for ln in r.stderr.splitlines() if "Error" in ln and "Warning" not in ln][:20]
+    errors = [ln for ln in r.stderr.splitlines()
+              if ("Error" in ln or ln.startswith("error:")) and "Warning" not in ln][:20]  # our one-line errors too
     return "\n".join(errors) + "\n...\n" + r.stderr[-2000:]
 
 

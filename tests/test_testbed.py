@@ -98,6 +98,46 @@ print(build_once(path, lambda: os.path.exists(os.path.join(path, "ok")), build))
 """
 
 
+RANK_WORKER = """
+import os, sys, time
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from common.testbed import build_once
+rank, path, log, store = int(sys.argv[1]), *sys.argv[2:5]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+if rank == 0:
+    time.sleep(2.0)  # rank 1 reaches the lock first
+
+def build(tmp):
+    with open(log, "a") as f:
+        f.write(f"built on rank {rank}\\n")
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                 intermediate_size=8)).save_pretrained(tmp)
+
+out = build_once(path, lambda: os.path.exists(os.path.join(path, "model.safetensors")), build)
+print(out, os.path.exists(os.path.join(out, "model.safetensors")))
+dist.destroy_process_group()
+"""
+
+
+def test_build_once_under_torchrun_builds_on_rank_0(tmp_path):
+    """With a process group up, transformers' save_pretrained writes weights on rank 0 only, so a cache entry built
+    on rank 1 had no weights (rank 0 then deleted it to rebuild, and rank 1 failed to load it: a flaky cold-cache
+    torchrun). Rank 1 here reaches the lock first; it must wait for rank 0's build, and both find the weights."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    entry, log, store = tmp_path / "entry", tmp_path / "log", tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_WORKER, str(r), str(entry), str(log), str(store)], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    assert [o.strip() for o, _ in outs] == [f"{entry} True"] * 2
+    assert log.read_text() == "built on rank 0\n"
+
+
 def test_build_once_lets_one_process_build_and_the_others_load(tmp_path):
     """Processes that need the same cache entry at once (torchrun ranks on a cold cache) build it once: the others
     wait on the lock, then find it done; the entry appears whole, by one rename."""
