@@ -105,8 +105,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from common.testbed import build_once
 rank, path, log, store = int(sys.argv[1]), *sys.argv[2:5]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-if rank == 0:
-    time.sleep(2.0)  # rank 1 reaches the lock first
+while rank == 0 and not os.path.exists(path + ".lock"):
+    time.sleep(0.05)  # rank 1 reaches the lock first, whatever the speed of either process
 
 def build(tmp):
     with open(log, "a") as f:
