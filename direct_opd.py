@@ -167,16 +167,12 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     minibatch_size: int = 0
     """rollouts per optimizer step = batch_size // num_minibatches"""
 
-def default_teacher_post(teacher_pre: str, world: int) -> str:
-    """The demo pair's post model (cached; built on first use), or a one-line error when there is none."""
+def default_teacher_post(teacher_pre: str) -> str:
+    """The demo pair's post model (cached; built on first use, by rank 0 under torchrun)."""
     if teacher_pre != "testbed-weak":
         raise SystemExit(f"error: --teacher-post is required with --teacher-pre {teacher_pre} (the built-in pair is "
                          "for testbed-weak only): pass the folder of the teacher after its RL run")
-    pair = ensure_testbed_teacher_pair(build=world == 1)
-    if pair is None:
-        raise SystemExit("error: the default teacher pair is not built yet; build it once without torchrun "
-                         "(python direct_opd.py --total-steps 0), or pass --teacher-post <folder>")
-    return pair[1]
+    return ensure_testbed_teacher_pair()[1]
 
 
 # ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient
@@ -328,7 +324,7 @@ def main(args: Args) -> dict:
     if args.teacher_post:
         vocab_check[f"teacher_post ({args.teacher_post})"] = load_tokenizer(args.teacher_post)
     check_same_vocab(vocab_check)
-    teacher_post = args.teacher_post or default_teacher_post(args.teacher_pre, world)
+    teacher_post = args.teacher_post or default_teacher_post(args.teacher_pre)
     run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
     train_problems, eval_problems = load_train_eval(args)
     model = load_model(args.model_name, args.dtype, device)
