@@ -46,12 +46,12 @@ import tyro
 from common.args import TrainArgs, check_at_least
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
-from common.evaluate import evaluate
+from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
-                            sampler_mismatch, split_completions, tis_weights)
-from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+                            sampler_correction, split_completions)
+from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
                         rollout_perf_metrics, start_run, step_bar, timed, update_metrics, weight_metrics)
 from common.verifiers import format_reward, score
 
@@ -73,32 +73,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     """prompts per step (per rank)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
-    max_new_tokens: int = 8
-    """completion length cap; completions without eos are 'truncated'"""
     format_reward_weight: float = 0.0
     """weight of the format reward added to the correctness reward"""
-
-    # Optimisation
-    total_steps: int = 300
-    """number of GRPO steps (rollout + update)"""
-    learning_rate: float = 5e-5
-    """AdamW learning rate (constant after warmup)"""
-    warmup_steps: int = 0
-    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch over each rollout batch"""
-    num_iterations: int = 1
-    """PPO epochs over each rollout batch (mu in the GRPO paper)"""
-    micro_batch_size: int = 32
-    """rows per forward/backward; gradients do not depend on it"""
 
     # Algorithm
     adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
@@ -145,12 +121,6 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on the advantage"""
     is_clip_min: float = 0.01
     """c_min, the lower clamp of the --correction weight (its upper clamp is 1)"""
-
-    # Filled in at runtime
-    batch_size: int = 0
-    """rollouts per step per rank = num_prompts * group_size"""
-    minibatch_size: int = 0
-    """rollouts per optimizer step = batch_size // num_minibatches"""
 
 
 # ALGO LOGIC: advantages, KL and the clipped objective
@@ -223,12 +193,9 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
                                           args.clip_low, args.clip_high)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        sampler_logp_BC = batch["sampler_logp_BC"][rows].to(device)
-        tis_w_BC = tis_weights(old_logp_BC, sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
-        pg_BC = pg_BC * tis_w_BC
-        n_tok = mask_BC.sum().item()
-        sampler_stats = {k: v * n_tok for k, v in sampler_mismatch(old_logp_BC, sampler_logp_BC, mask_BC).items()}
-        sampler_stats["rollout/tis_weight_mean"] = (tis_w_BC * mask_BC).sum().item()
+        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
+                                                     args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
@@ -410,14 +377,8 @@ def main(args: Args) -> dict:
     kp, probe_cache = state.get("kp", kp), state.get("probe_cache", probe_cache)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
-    def run_eval():
-        return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
-                        args.temperature, args.eval_pass_k, args.max_prompt_tokens)
-
-    first_eval = state.get("first_eval")
-    if first_eval is None:
-        first_eval = run_eval()
-        logger.log(state["step"], first_eval)
+    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
+    first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:
@@ -523,6 +484,7 @@ def main(args: Args) -> dict:
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
         # other sums (the vllm sampler's rollout/* included) are over tokens
+        helpful = [p.hint_helpful[k] for p, S in zip(problems, shown) for k in S if p.hint_helpful]
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
@@ -530,10 +492,7 @@ def main(args: Args) -> dict:
             **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
                              mask_BC.sum().item() * args.num_iterations),
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device, train_rollouts=train_rollouts),
-        }
-        # knowledge-point and weight statistics (docs/adakp.md)
-        helpful = [p.hint_helpful[k] for p, S in zip(problems, shown) for k in S if p.hint_helpful]
-        metrics.update({
+            # knowledge-point statistics (docs/adakp.md)
             "kp/mean_size": float(np.mean([len(S) for S in shown])),
             "kp/budget_mean": float(np.mean([kp["budget"][i] for i in idx])),
             "kp/helpful_frac": float(np.mean(helpful)) if helpful else 0.0, "kp/reselected": float(len(stale)),
@@ -542,7 +501,7 @@ def main(args: Args) -> dict:
             "kp/trunc_eps_mean": proxy["eps"] / max(proxy["rows"], 1), "kp/trunc_bound_max": max(bounds, default=0.0),
             "kp/faded": float(faded), "kp/grown": float(grown),
             "kp/zero_correct_frac": (pass_P == 0).float().mean().item(),
-        })
+        }
         if weigh:  # over the tokens of rows shown KPs
             metrics.update(weight_metrics(w_BC[hinted_B][mask_BC[hinted_B] > 0], args.is_clip_min))
         metrics = all_reduce_mean(metrics)

@@ -78,7 +78,7 @@ import tyro
 from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
-from common.evaluate import evaluate
+from common.evaluate import evaluate, evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import check_same_vocab, load_model, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
@@ -109,24 +109,10 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     """completions sampled per prompt (the paper uses 4; no group baseline is needed unless direct_plus_grpo)"""
     temperature: float = 1.0
     """sampling temperature (student log-probs and top-K weights are computed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
-    max_new_tokens: int = 8
-    """completion length cap; completions without eos are 'truncated'"""
 
     # Optimisation
     total_steps: int = 200
     """number of Direct-OPD steps (rollout + update)"""
-    learning_rate: float = 5e-5
-    """AdamW learning rate (constant after warmup)"""
-    warmup_steps: int = 0
-    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch over each rollout batch"""
     num_iterations: int = 1
     """PPO epochs over each rollout batch (the official recipe: 1)"""
     micro_batch_size: int = 64
@@ -161,11 +147,6 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d (clamped to +-10)"""
 
-    # Filled in at runtime
-    batch_size: int = 0
-    """rollouts per step per rank = num_prompts * group_size"""
-    minibatch_size: int = 0
-    """rollouts per optimizer step = batch_size // num_minibatches"""
 
 def default_teacher_post(teacher_pre: str) -> str:
     """The demo pair's post model (cached; built on first use, by rank 0 under torchrun)."""
@@ -339,10 +320,7 @@ def main(args: Args) -> dict:
     kl_coef = state.get("kl_coef", args.kl_coef)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
-    def run_eval():
-        return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
-                        args.temperature, args.eval_pass_k, args.max_prompt_tokens)
-
+    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
     first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()

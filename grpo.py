@@ -45,11 +45,11 @@ import tyro
 from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
-from common.evaluate import evaluate
+from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
-from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
+from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
                         rollout_perf_metrics, start_run, step_bar, timed)
 from common.verifiers import format_reward, score
 
@@ -69,32 +69,8 @@ class Args(TrainArgs):  # common/args.py: the run folder, resume, logging, devic
     """prompts per step (per rank)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
-    max_new_tokens: int = 8
-    """completion length cap; completions without eos are 'truncated'"""
     format_reward_weight: float = 0.0
     """weight of the format reward added to the correctness reward"""
-
-    # Optimisation
-    total_steps: int = 300
-    """number of GRPO steps (rollout + update)"""
-    learning_rate: float = 5e-5
-    """AdamW learning rate (constant after warmup)"""
-    warmup_steps: int = 0
-    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch over each rollout batch"""
-    num_iterations: int = 1
-    """PPO epochs over each rollout batch (mu in the GRPO paper)"""
-    micro_batch_size: int = 32
-    """rows per forward/backward; gradients do not depend on it"""
 
     # Algorithm
     adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
@@ -114,12 +90,6 @@ class Args(TrainArgs):  # common/args.py: the run folder, resume, logging, devic
     """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d"""
     filter_zero_std: bool = False
     """drop groups whose rewards are all equal from the loss (they have zero advantage anyway)"""
-
-    # Filled in at runtime
-    batch_size: int = 0
-    """rollouts per step per rank = num_prompts * group_size"""
-    minibatch_size: int = 0
-    """rollouts per optimizer step = batch_size // num_minibatches"""
 
 
 # ALGO LOGIC: advantages, KL and the clipped objective
@@ -192,12 +162,9 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
                                           args.clip_low, args.clip_high)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        sampler_logp_BC = batch["sampler_logp_BC"][rows].to(device)
-        tis_w_BC = tis_weights(old_logp_BC, sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
-        pg_BC = pg_BC * tis_w_BC
-        n_tok = mask_BC.sum().item()
-        sampler_stats = {k: v * n_tok for k, v in sampler_mismatch(old_logp_BC, sampler_logp_BC, mask_BC).items()}
-        sampler_stats["rollout/tis_weight_mean"] = (tis_w_BC * mask_BC).sum().item()
+        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
+                                                     args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
@@ -234,14 +201,8 @@ def main(args: Args) -> dict:
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
-    def run_eval():
-        return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
-                        args.temperature, args.eval_pass_k, args.max_prompt_tokens)
-
-    first_eval = state.get("first_eval")
-    if first_eval is None:
-        first_eval = run_eval()
-        logger.log(state["step"], first_eval)
+    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
+    first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:

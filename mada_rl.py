@@ -47,9 +47,10 @@ from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_pro
 from common.dist import (all_reduce_grads, all_reduce_mean, gather_shares, init_distributed, is_sharded, rank_world,
                          shard_models)
 from common.logger import RunLogger, check_run_args, fail
-from common.models import load_model, load_tokenizer
+from common.models import adapter_params, add_lora, load_adapters, load_model, load_tokenizer, use_adapter
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import load_train_eval, minibatch_counts, rollout_perf_metrics, start_run, timed, update_metrics
+from common.run import (load_train_eval, make_optimizer, minibatch_counts, rollout_perf_metrics, start_run, timed,
+                        update_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 
@@ -85,12 +86,6 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, da
     """prompts per step (per rank)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
-    max_new_tokens: int = 8
-    """completion length cap; completions without eos are 'truncated'"""
     proposal_temperature: float = 1.0
     """Stage 2: temperature at which the trained generators answer the critics' problems (0: greedy)"""
 
@@ -100,17 +95,7 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, da
     critic_steps: int = 80
     """Stage 3: policy-gradient steps per critic"""
     learning_rate: float = 1e-3
-    """AdamW learning rate of the LoRA weights (constant)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch over each rollout batch"""
-    num_iterations: int = 1
-    """PPO epochs over each rollout batch"""
-    micro_batch_size: int = 32
-    """rows per forward/backward; gradients do not depend on it"""
+    """AdamW learning rate of the LoRA weights (constant after warmup; each adapter has its own warmup)"""
 
     # Algorithm
     counterfactual: bool = True
@@ -138,10 +123,6 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, da
     """unused by the debate (greedy answers)"""
 
     # Filled in at runtime
-    batch_size: int = 0
-    """rollouts per step per rank = num_prompts * group_size"""
-    minibatch_size: int = 0
-    """rollouts per optimizer step = batch_size // num_minibatches"""
     total_steps: int = 0
     """generator_steps * num_generators + critic_steps * num_critics"""
 
@@ -234,32 +215,11 @@ def agent_names(num_generators: int, num_critics: int) -> tuple[list[str], list[
 
 
 def make_agents(base, names: list[str], args: Args):
-    """The base model wrapped with one fresh LoRA adapter per name (B = 0: every agent starts as the base)."""
-    from peft import LoraConfig, get_peft_model
-
-    config = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                  target_modules=list(args.lora_target_modules))
-    try:
-        model = get_peft_model(base, LoraConfig(**config), adapter_name=names[0])
-    except ValueError as e:
-        fail(f"--lora-target-modules {' '.join(args.lora_target_modules)}: {str(e).splitlines()[0]}")
-    for name in names[1:]:
-        model.add_adapter(name, LoraConfig(**config))
+    """The base model with one fresh LoRA adapter per name (B = 0: every agent starts as the base), the first active
+    and alone trainable (common/models.py: add_lora, use_adapter, adapter_params)."""
+    model = add_lora(base, names, args.lora_r, args.lora_alpha, args.lora_target_modules)
     use_adapter(model, names[0])
     return model
-
-
-def adapter_params(model, name: str) -> dict:
-    """The LoRA tensors of adapter `name` (peft names them `...lora_A.<name>.weight`)."""
-    return {n: p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n}
-
-
-def use_adapter(model, name: str) -> None:
-    """Make `name` the active adapter (generation and forward use it) and the only trainable tensors."""
-    model.set_adapter(name)
-    mine = set(adapter_params(model, name))
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in mine)
 
 
 def split_problems(problems: list, k: int, seed: int) -> list[list]:
@@ -350,7 +310,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     rank, world = rank_world()
     use_adapter(model, name)
     params = list(adapter_params(model, name).values())  # under --fsdp: this rank's shards
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer, scheduler = make_optimizer(params, args)
     sampler = PromptSampler(records, args.seed + 1000 * stage + agent)  # the same on every rank
     steps = args.generator_steps if stage == 1 else args.critic_steps
     bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=rank != 0)
@@ -406,6 +366,8 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
                     all_reduce_grads(model)  # plain data parallel (nothing to do under --fsdp)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
                     optimizer.step()
+                    lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                    scheduler.step()
 
         # metrics: grpo.py's names plus mada/*; loss/* are means over optimizer steps, the other sums are over tokens
         lengths_PG = rollouts.lengths_B.float().view(-1, args.group_size)
@@ -413,7 +375,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             "reward/mean": rewards_PG.mean().item(), "reward/std": rewards_PG.std(unbiased=False).item(),
             "train/accuracy": correct_PG.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **update_metrics(sums, grad_norms, args.learning_rate, args.num_iterations * args.num_minibatches,
+            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
                              mask_BC.sum().item() * args.num_iterations),
             **rollout_perf_metrics(rollouts, times, args.num_iterations, args.device),
             "mada/stage": stage, "mada/agent": agent,
@@ -446,8 +408,6 @@ def critic_records(model, engine, tokenizer, problems: list, generators: list[st
 
 def load_run_agents(run_dir: str, args: Args, device: str):
     """The base model of a finished run (args.json's --model-name, set in `args`) with its saved adapters."""
-    from peft import PeftModel
-
     adir = os.path.join(run_dir, "adapters")
     if not os.path.isdir(adir):
         fail(f"--eval-debate {run_dir}: no adapters/ folder (not a finished mada_rl.py run folder)")
@@ -461,10 +421,7 @@ def load_run_agents(run_dir: str, args: Args, device: str):
     critics = sorted((n for n in names if n.startswith("critic")), key=lambda s: int(s[6:]))
     if not generators or (args.debate_rounds > 1 and not critics):
         fail(f"--eval-debate {run_dir}: adapters/ holds {names or 'nothing'}; need gen* and critic* adapters")
-    model = PeftModel.from_pretrained(load_model(args.model_name, args.dtype, device),
-                                      os.path.join(adir, generators[0]), adapter_name=generators[0])
-    for name in generators[1:] + critics:
-        model.load_adapter(os.path.join(adir, name), adapter_name=name)
+    model = load_adapters(load_model(args.model_name, args.dtype, device), adir, generators + critics)
     return model, generators, critics
 
 

@@ -59,11 +59,11 @@ import tyro
 from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
-from common.evaluate import evaluate
+from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
-from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
                         rollout_perf_metrics, start_run, step_bar, timed, weight_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
@@ -81,32 +81,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     """prompts per step (per rank)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
-    max_new_tokens: int = 8
-    """completion length cap; completions without eos are 'truncated'"""
     format_reward_weight: float = 0.0
     """weight of the format reward added to the correctness reward"""
-
-    # Optimisation
-    total_steps: int = 300
-    """number of GRPO steps (rollout + update)"""
-    learning_rate: float = 5e-5
-    """AdamW learning rate (constant after warmup)"""
-    warmup_steps: int = 0
-    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch over each rollout batch"""
-    num_iterations: int = 1
-    """PPO epochs over each rollout batch (mu in the GRPO paper)"""
-    micro_batch_size: int = 32
-    """rows per forward/backward; gradients do not depend on it"""
 
     # Algorithm
     adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
@@ -141,12 +117,6 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, m
     shift, so no weight whatever --correction says)"""
     fixed_probe_samples: int = 8
     """--guidance fixed: samples per problem and fraction in the offline probe"""
-
-    # Filled in at runtime
-    batch_size: int = 0
-    """rollouts per step per rank = num_prompts * group_size"""
-    minibatch_size: int = 0
-    """rollouts per optimizer step = batch_size // num_minibatches"""
 
 
 # ALGO LOGIC: advantages, KL, the context-shift weight and the clipped objective
@@ -366,14 +336,8 @@ def main(args: Args) -> dict:
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 
-    def run_eval():
-        return evaluate(engine, tokenizer, eval_problems, args.max_new_tokens, args.eval_samples,
-                        args.temperature, args.eval_pass_k, args.max_prompt_tokens)
-
-    first_eval = state.get("first_eval")
-    if first_eval is None:
-        first_eval = run_eval()
-        logger.log(state["step"], first_eval)
+    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
+    first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:

@@ -1,8 +1,9 @@
 """Stable PPO for small language models: SFT (LoRA) -> Bradley-Terry reward model -> PPO with a value head.
 
 Paper: "Towards Robust Reinforcement Learning for Small-Scale Language Model Agents" (arXiv 2607.25091;
-code github.com/rezwanh001/slm-rl-agent, built on TRL 0.9.6). Three stages in one file, each skipped when
-its output is given by path (`--sft-adapter`, `--reward-model`):
+code github.com/rezwanh001/slm-rl-agent, built on TRL 0.9.6). Three stages, the first two skipped when their
+output is given by path (`--sft-adapter`, `--reward-model`); 1 and 2 are the standard SFT and reward model of
+common/preference.py, 3 and the paper's fixes are this file:
 
 1. SFT: a LoRA adapter (alpha = 2r) trained on (prompt, chosen) pairs.
 2. Reward model: the SFT backbone (adapter merged) with a scalar head, LoRA + trained head, Bradley-Terry loss
@@ -43,40 +44,23 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import tyro
-from tqdm import tqdm
 
-from common.data import load_problems, read_texts
+from common.args import ExperimentArgs
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
                          local_part, shard_models)
 from common.logger import RunLogger
-from common.models import load_model, load_score_model, load_tokenizer, resolve_model
-from common.rollout import FiniteLogits, HFEngine, batched_logprobs, encode_pairs, position_ids, sequence_scores
+from common.models import add_lora, load_model, load_score_model, load_tokenizer, resolve_model
+from common.preference import build_pairs, pair_accuracy, supervised_stages
+from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores
 from common.run import rollout_perf_metrics, start_run, step_bar, timed, update_metrics
-from common.testbed import render_testbed_prompt
 from common.verifiers import score
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
-    seed: int = 1
-    """seed of python, numpy and torch (each rank adds its rank)"""
-    run_name: str = ""
-    """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
-    wandb_project: str = "tinypost"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    device: str = "cpu"
-    """torch device ('cpu', 'cuda')"""
     ppo_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of policy and reference in PPO (float32 is the fix; bfloat16 reproduces the ratio overflow)"""
     fsdp: bool = False
@@ -198,54 +182,10 @@ class Args:
     """optimizer steps per epoch = num_prompts // minibatch_size"""
 
 
-# ALGO LOGIC: data, the logits guard, scores, GAE and the PPO loss
-@dataclass
-class Example:
-    prompt: str
-    chosen: str
-    rejected: str
-    problem: object = None  # the testbed Problem (verifiable), None for text
-
-
-def corrupt_answer(answer: str, rng: random.Random) -> str:
-    """A wrong or malformed answer: '15' -> '14' (near miss), '22' (far off), '151', '1' or '15+4'."""
-    u = rng.random()
-    if u < 0.4:
-        return str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
-    if u < 0.7:
-        return str(max(0, int(answer) + rng.choice([-1, 1]) * rng.randint(4, 10)))
-    if u < 0.8:
-        return answer + str(rng.randint(0, 9))
-    if u < 0.9:
-        return answer[:-1] or str(rng.randint(0, 9))
-    return f"{answer}+{rng.randint(1, 9)}"
-
-
-def verify(texts: list[str], examples: list) -> torch.Tensor:
+# ALGO LOGIC: scores, GAE and the PPO loss
+def verify(texts: list[str], pairs: list) -> torch.Tensor:
     """Exact-match verifier (testbed): 1.0 where the completion is the answer."""
-    return torch.tensor(score(texts, [e.problem for e in examples]))
-
-
-def build_examples(args: Args, split: str, n: int, seed: int) -> list[Example]:
-    """Prompts with a chosen (correct / real) and a rejected (corrupted) completion."""
-    rng = random.Random(f"{seed}-{split}")
-    if args.dataset == "testbed":
-        problems = load_problems("testbed", split, args.levels, n, seed)
-        return [Example(render_testbed_prompt(p.question), p.answer, corrupt_answer(p.answer, rng), p)
-                for p in problems]
-    need = args.prompt_words + args.continuation_words
-    cuts = [t.split() for t in read_texts(args.dataset, split, args.text_field, n) if len(t.split()) >= need]
-    if len(cuts) < 2:
-        raise SystemExit(f"error: {args.dataset!r} ({split}) has fewer than 2 texts with {need} words; "
-                         f"lower --prompt-words / --continuation-words")
-    out = []
-    for i, w in enumerate(cuts):
-        prompt, cont = " ".join(w[: args.prompt_words]), w[args.prompt_words: need]
-        u, other = rng.random(), cuts[(i + 1 + rng.randrange(len(cuts) - 1)) % len(cuts)]
-        bad = (rng.sample(cont, len(cont)) if u < 1 / 3 else cont[: len(cont) // 4] if u < 2 / 3
-               else other[args.prompt_words: need])  # shuffled / truncated / mismatched, as in the paper
-        out.append(Example(prompt, " " + " ".join(cont), " " + " ".join(bad)))
-    return out
+    return torch.tensor(score(texts, [e.problem for e in pairs]))
 
 
 class RunningMoments:
@@ -377,92 +317,22 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
     return moved
 
 
-# Stages 1 and 2: SFT adapter and reward model, both LoRA on a shared loop
-def fit_lora(model, examples: list[Example], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str):
-    """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `examples`."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    rng = random.Random(seed)
-    for _ in tqdm(range(steps), desc=desc, leave=False):
-        loss = loss_fn(rng.sample(examples, min(batch_size, len(examples))))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-
-def lora(args: Args, r: int, alpha: int, **kw):
-    from peft import LoraConfig
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(args.lora_target_modules), **kw)
-
-
-def train_sft(args: Args, base: str, tokenizer, examples: list[Example], out_dir: str, device: str) -> None:
-    """Stage 1: LoRA (alpha = 2r) on the chosen completions, next-token loss on the completion tokens."""
-    from peft import get_peft_model
-    model = get_peft_model(load_model(base, "float32", device), lora(args, args.sft_lora_r, 2 * args.sft_lora_r))
-
-    def loss_fn(batch):
-        ids_BT, attn_BT, comp_BT = encode_pairs(tokenizer, [e.prompt for e in batch], [e.chosen for e in batch])
-        return model(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
-                     position_ids=position_ids(attn_BT).to(device),
-                     labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
-
-    fit_lora(model, examples, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft")
-    model.save_pretrained(out_dir)
-
-
-def train_reward_model(args: Args, sft_dir: str, tokenizer, train: list[Example], out_dir: str, device: str):
-    """Bradley-Terry RM initialised from the SFT backbone: -log sigmoid(r(x, y_w) - r(x, y_l))."""
-    from peft import get_peft_model
-    rm = load_score_model(sft_dir)
-    rm.config.pad_token_id = tokenizer.pad_token_id
-    rm = get_peft_model(rm, lora(args, args.rm_lora_r, 2 * args.rm_lora_r, task_type="SEQ_CLS")).to(device)
-
-    def loss_fn(batch):
-        ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in batch] * 2,
-                                          [e.chosen for e in batch] + [e.rejected for e in batch])
-        r_2B = rm(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
-                  position_ids=position_ids(attn_BT).to(device)).logits[:, 0]
-        return -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
-
-    fit_lora(rm, train, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model")
-    rm.merge_and_unload().save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
-
-def pair_accuracy(rm, tokenizer, pairs: list[Example]) -> float:
-    """Fraction of held-out pairs where the RM scores the chosen completion above the rejected one."""
-    ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in pairs] * 2,
-                                      [e.chosen for e in pairs] + [e.rejected for e in pairs])
-    r_2B = sequence_scores(rm, ids_BT, attn_BT, tokenizer.pad_token_id)
-    return (r_2B[: len(pairs)] > r_2B[len(pairs):]).float().mean().item()
-
-
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 run on rank 0, the others wait
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 (common/preference.py)
     rank, world, device = init_distributed(args.device)
     if args.num_prompts % args.minibatch_size:
         raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
                          f"{args.minibatch_size}")
     args.num_minibatches = args.num_prompts // args.minibatch_size
     run_dir = start_run(args, rank)
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel
     os.makedirs(run_dir, exist_ok=True)
     base = resolve_model(args.model_name)
     tokenizer = load_tokenizer(base)
-    train_ex = build_examples(args, "train", args.num_train_examples, args.seed)
-    heldout = build_examples(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
-    t0 = time.time()
-    sft_adapter = args.sft_adapter or os.path.join(run_dir, "sft_adapter")
-    rm_dir = args.reward_model or os.path.join(run_dir, "reward_model")
-    sft_dir = os.path.join(run_dir, "sft_merged")
-    if rank == 0:
-        if not args.sft_adapter:
-            train_sft(args, base, tokenizer, train_ex, sft_adapter, device)
-        PeftModel.from_pretrained(load_model(base), sft_adapter).merge_and_unload().save_pretrained(sft_dir)
-        tokenizer.save_pretrained(sft_dir)  # merged SFT weights: the start of merge-and-reinitialise
-        if not args.reward_model:
-            train_reward_model(args, sft_dir, tokenizer, train_ex, rm_dir, device)
-    if world > 1:
-        dist.barrier()
+    train_ex = build_pairs(args, "train", args.num_train_examples, args.seed)  # common/preference.py
+    heldout = build_pairs(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
+    t0 = time.time()  # stages 1 and 2; sft_dir holds the SFT adapter merged into the base (reference, policy start)
+    sft_adapter, sft_dir, rm_dir = supervised_stages(args, base, tokenizer, train_ex, run_dir, rank, device)
     t_stages = time.time() - t0
 
     # Stage 3 models: the RM (no dropout), the reference = merged SFT, the policy = merged SFT + a fresh LoRA (or the
@@ -470,7 +340,8 @@ def main(args: Args) -> dict:
     rm = load_score_model(rm_dir).to(device).eval().requires_grad_(False)
     ref_model = load_model(sft_dir, args.ppo_dtype, device).eval().requires_grad_(False)
     if args.policy_init == "merge_reinit":
-        policy = get_peft_model(load_model(sft_dir, args.ppo_dtype, device), lora(args, args.lora_r, args.lora_r))
+        policy = add_lora(load_model(sft_dir, args.ppo_dtype, device), ["default"], args.lora_r, args.lora_r,
+                          args.lora_target_modules)
     else:
         policy = PeftModel.from_pretrained(load_model(base, args.ppo_dtype, device), sft_adapter)
     policy.v_head = torch.nn.Linear(policy.config.hidden_size, 1).to(device)

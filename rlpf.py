@@ -50,9 +50,9 @@ from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
 from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
 from common.models import load_model, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch, tis_weights
-from common.run import (make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics, start_run, step_bar, timed,
-                        update_metrics)
+from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
+from common.run import (first_evaluation, make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics,
+                        start_run, step_bar, timed, update_metrics)
 
 
 @dataclass
@@ -97,10 +97,6 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device
     """prompts (tasks) per step (per rank)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
     max_new_tokens: int = 96
     """completion length cap; completions without eos are 'truncated'"""
 
@@ -116,16 +112,6 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device
     """number of GRPO steps (rollout + update)"""
     learning_rate: float = 1e-4
     """AdamW learning rate (constant after warmup)"""
-    warmup_steps: int = 0
-    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch over each rollout batch"""
-    num_iterations: int = 1
-    """PPO epochs over each rollout batch (mu in the GRPO paper)"""
     micro_batch_size: int = 40
     """rows per forward/backward; gradients do not depend on it"""
 
@@ -156,12 +142,6 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device
     """programs sampled per task for the evaluation (plus one greedy)"""
     eval_pass_k: int = 1
     """unused by the code metrics (kept for the shared flag checks)"""
-
-    # Filled in at runtime
-    batch_size: int = 0
-    """rollouts per step per rank = num_prompts * group_size"""
-    minibatch_size: int = 0
-    """rollouts per optimizer step = batch_size // num_minibatches"""
 
 
 # ALGO LOGIC: rewards (ALGORITHMS.md section 7.2 for RLPF, 7.3 for DMC)
@@ -298,12 +278,9 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
                                           args.clip_low, args.clip_high)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        sampler_logp_BC = batch["sampler_logp_BC"][rows].to(device)
-        tis_w_BC = tis_weights(old_logp_BC, sampler_logp_BC, mask_BC, args.tis, args.tis_cap)
-        pg_BC = pg_BC * tis_w_BC
-        n_tok = mask_BC.sum().item()
-        sampler_stats = {k: v * n_tok for k, v in sampler_mismatch(old_logp_BC, sampler_logp_BC, mask_BC).items()}
-        sampler_stats["rollout/tis_weight_mean"] = (tis_w_BC * mask_BC).sum().item()
+        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
+                                                     args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
@@ -420,10 +397,7 @@ def main(args: Args) -> dict:
     def run_eval():
         return evaluate_code(engine, tokenizer, eval_tasks, args)
 
-    first_eval = state.get("first_eval")
-    if first_eval is None:
-        first_eval = run_eval()
-        logger.log(state["step"], first_eval)
+    first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
     for step in bar:

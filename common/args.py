@@ -1,6 +1,8 @@
 """The flags the trainers share, as dataclasses that a trainer's `Args` extends with its algorithm's own flags:
-`RunArgs` (run folder, resume, logging, device) and `TrainArgs` (RunArgs plus model, data, rollout engine and
-evaluation). A trainer redeclares a field to change its default (the field keeps its place in --help)."""
+`ExperimentArgs` (run folder, logging, device), `RunArgs` (ExperimentArgs plus resume, dtype, sharding, sampling
+and the optimiser) and `TrainArgs` (RunArgs plus model, data, rollout engine and evaluation). The algorithm's own
+hyperparameters (group size, clipping, advantages, KL) stay in the trainer's file. A trainer redeclares a field
+to change its default or its help (the field keeps its place in --help)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Literal
 
 
 @dataclass
-class RunArgs:
+class ExperimentArgs:
     # Experiment
     exp_name: str = "run"
     """name of this experiment (prefix of the run folder)"""
@@ -19,10 +21,6 @@ class RunArgs:
     """run folder name under --output-dir; default {exp_name}__{seed}__{unix time}"""
     output_dir: str = "runs"
     """where run folders are created"""
-    resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
-    save_every: int = 0
-    """write a checkpoint every N steps (0: only at the end)"""
     track: bool = False
     """log to Weights & Biases (set WANDB_MODE=offline to keep it local)"""
     wandb_project: str = "tinypost"
@@ -31,6 +29,14 @@ class RunArgs:
     """wandb entity (team or user)"""
     device: str = "cpu"
     """torch device ('cpu', 'cuda')"""
+
+
+@dataclass
+class RunArgs(ExperimentArgs):
+    resume: str = ""
+    """path of a run folder to continue from its latest checkpoint"""
+    save_every: int = 0
+    """write a checkpoint every N steps (0: only at the end)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the policy weights"""
     fsdp: bool = False
@@ -38,6 +44,38 @@ class RunArgs:
     root; reference, teacher and reward models too); without it every rank holds the whole model (docs/fsdp.md)"""
     fsdp_mixed_precision: bool = False
     """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
+
+    # Sampling
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
+    max_new_tokens: int = 8
+    """completion length cap; completions without eos are 'truncated'"""
+
+    # Optimisation
+    total_steps: int = 300
+    """training steps, each one rollout batch and its update"""
+    learning_rate: float = 5e-5
+    """AdamW learning rate (constant after warmup)"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup over this many optimizer steps (num_iterations x num_minibatches per step)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch over each rollout batch"""
+    num_iterations: int = 1
+    """PPO epochs over each rollout batch (mu in the GRPO paper; with 1 epoch of 1 mini-batch the ratio is exactly 1)"""
+    micro_batch_size: int = 32
+    """rows per forward/backward; gradients do not depend on it"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """rollouts per step per rank = num_prompts * group_size"""
+    minibatch_size: int = 0
+    """rollouts per optimizer step = batch_size // num_minibatches"""
 
 
 @dataclass

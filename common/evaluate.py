@@ -42,3 +42,9 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
         out["eval/sampled_accuracy"] = sum(c) / len(c)
         out["eval/pass_at_k"] = sum(pass_at_k(num_samples, int(x), k) for x in per_problem) / len(problems)
     return out
+
+
+def evaluator(engine, tokenizer, problems: list, args):
+    """A trainer's `run_eval()`: `evaluate` on the held-out problems with the run's sampling and evaluation flags."""
+    return lambda: evaluate(engine, tokenizer, problems, args.max_new_tokens, args.eval_samples, args.temperature,
+                            args.eval_pass_k, args.max_prompt_tokens)

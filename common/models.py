@@ -175,3 +175,43 @@ def check_same_vocab(tokenizers: dict) -> None:
         if len(tok) != len(ref) or tok.get_vocab() != ref.get_vocab():
             raise SystemExit(f"error: {names[0]} and {other} have different tokenizers "
                              f"({len(ref)} vs {len(tok)} tokens); they must share one vocabulary")
+
+
+def add_lora(model, names: list[str], r: int, alpha: int, target_modules, **config):
+    """`model` wrapped by peft with one fresh LoRA adapter (no dropout; B = 0, so it starts as `model`) per name,
+    the first one active; a one-line error when --lora-target-modules names no module of this model."""
+    from peft import LoraConfig, get_peft_model
+
+    def make():
+        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules), **config)
+
+    try:
+        wrapped = get_peft_model(model, make(), adapter_name=names[0])
+    except ValueError as e:
+        raise SystemExit(f"error: --lora-target-modules {' '.join(target_modules)}: {_one_line(e)}") from None
+    for name in names[1:]:
+        wrapped.add_adapter(name, make())
+    return wrapped
+
+
+def adapter_params(model, name: str) -> dict:
+    """The LoRA tensors of adapter `name` (peft names them `...lora_A.<name>.weight`)."""
+    return {n: p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n}
+
+
+def use_adapter(model, name: str) -> None:
+    """Make adapter `name` the active one (generation and forward use it) and its tensors the only trainable ones."""
+    model.set_adapter(name)
+    mine = set(adapter_params(model, name))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in mine)
+
+
+def load_adapters(base, adapter_dir: str, names: list[str]):
+    """`base` with the LoRA adapters saved in adapter_dir/<name> (peft's layout for several adapters), by name."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base, os.path.join(adapter_dir, names[0]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(os.path.join(adapter_dir, name), adapter_name=name)
+    return model

@@ -489,6 +489,15 @@ def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: floa
     raise ValueError(f"unknown importance-sampling level {level!r}")
 
 
+def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
+    """`tis_weights` and, as token sums over `mask_BC` (the trainers divide them by all the update's tokens), the
+    sampler's mismatch with the trainer (`sampler_mismatch`) and the weight (rollout/tis_weight_mean)."""
+    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
+    n_tok = mask_BC.sum().item()
+    stats = {k: v * n_tok for k, v in sampler_mismatch(trainer_logp_BC, sampler_logp_BC, mask_BC).items()}
+    return w_BC, {**stats, "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
+
+
 def split_completions(rollouts: Rollouts) -> list[tuple[list[int], str, bool]]:
     """(token ids up to and including eos, text, truncated) of each row, free of the prompt it was sampled from."""
     return [(rollouts.completion_ids_BC[i, : int(rollouts.lengths_B[i])].tolist(), rollouts.texts[i],

@@ -126,6 +126,15 @@ def rollout_perf_metrics(rollouts, times: dict, train_passes: int, device: str, 
             "perf/peak_mem_gb": peak_mem_gb(device)}
 
 
+def first_evaluation(run_eval, state: dict, logger) -> dict:
+    """The held-out evaluation before training, logged at the start step (a resumed run keeps the one it had)."""
+    first_eval = state.get("first_eval")
+    if first_eval is None:
+        first_eval = run_eval()
+        logger.log(state["step"], first_eval)
+    return first_eval
+
+
 def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir: str,
                what: str = "held-out greedy accuracy") -> dict:
     """The final evaluation, logged at `step`; the logger closed (curve.png); rank 0 prints greedy accuracy

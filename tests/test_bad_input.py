@@ -11,6 +11,7 @@ import tyro
 
 import direct_opd
 import grpo
+import mada_rl
 import oc_grpo
 import ppo_slm
 import rloo_sec
@@ -145,3 +146,18 @@ def test_bad_text_file_for_ppo_slm_is_a_one_line_error(case, tmp_path, tiny_mode
     (tmp_path / name).write_bytes(content)
     message = _run("ppo_slm", tiny_model_dir, tmp_path, "--dataset", str(tmp_path / name), "--text-field", "text")
     _assert_one_line_error(message, pattern)
+
+
+@pytest.mark.parametrize("trainer", ["ppo_slm", "mada_rl"])
+def test_lora_targets_the_model_lacks_are_a_one_line_error(trainer, tmp_path, tiny_model_dir):
+    """Pythia's module names on a Qwen2 model: both LoRA trainers stop, naming the flag, before any training."""
+    flags = ["--output-dir", str(tmp_path / "runs"), "--model-name", tiny_model_dir,
+             "--lora-target-modules", "query_key_value", "dense"]
+    if trainer == "ppo_slm":
+        flags += ["--num-train-examples", "8", "--num-eval-pairs", "4", "--num-eval-prompts", "4"]
+    else:
+        flags += ["--num-train-problems", "60", "--num-prompts", "2", "--num-eval-problems", "4"]
+    module = {"ppo_slm": ppo_slm, "mada_rl": mada_rl}[trainer]
+    with pytest.raises(SystemExit) as info:
+        module.main(tyro.cli(module.Args, args=flags))
+    _assert_one_line_error(str(info.value), r"--lora-target-modules query_key_value dense: .*not found in the base model")

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.rollout import (HFEngine, batched_logprobs, completion_logits, completion_logprobs, completion_mask, left_pad,
-                            make_engine, process_logits, prompt_groups, sampler_mismatch, tis_weights)
+                            make_engine, process_logits, prompt_groups, sampler_correction, sampler_mismatch,
+                            tis_weights)
 
 
 def test_completion_mask_keeps_first_eos_and_drops_the_rest():
@@ -88,6 +89,18 @@ def test_tis_weights_truncate_per_token_and_per_sequence():
     seq = tis_weights(p, q, mask, "sequence", 1.5)  # row 0: 2 x 1 -> 1.5; row 1: 0.5 x 0.5 x 1
     assert torch.allclose(seq, torch.tensor([[1.5] * 3, [0.25] * 3]))
     assert torch.equal(tis_weights(p, q, mask, "none", 1.5), torch.ones(2, 3))
+
+
+def test_sampler_correction_gives_token_sums_the_trainers_divide_by_their_tokens():
+    p = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.1, 0.2, 0.3]]))
+    q = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.2, 0.4, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # 5 tokens
+    w, stats = sampler_correction(p, q, mask, "token", 1.5)
+    assert torch.equal(w, tis_weights(p, q, mask, "token", 1.5))
+    assert abs(stats["rollout/tis_weight_mean"] - (1.5 + 1.0 + 0.5 + 0.5 + 1.0)) < 1e-6  # a sum over the 5 tokens
+    d = torch.tensor([0.5, 1.0, 2.0, 2.0, 1.0]).log()  # log q - log p on the 5 tokens
+    assert abs(stats["rollout/mismatch_k1"] - d.sum().item()) < 1e-5
+    assert abs(stats["rollout/mismatch_k3"] - (torch.expm1(-d) + d).sum().item()) < 1e-5
 
 
 def test_unknown_backend_and_missing_vllm_fail_clearly(tiny_model_dir):

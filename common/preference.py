@@ -1,0 +1,141 @@
+"""Preference pairs and the two supervised stages that come before RLHF's PPO (ppo_slm.py): a LoRA adapter
+fine-tuned on the chosen completions (SFT), and a Bradley-Terry reward model on the SFT backbone.
+
+    SFT:  minimise -log pi(y_w | x) over the completion tokens, LoRA with alpha = 2r
+    RM:   minimise -log sigmoid(r(x, y_w) - r(x, y_l)), LoRA with alpha = 2r and a fully trained score head
+
+Pairs come from the testbed (chosen: the answer; rejected: a corrupted one) or from a text dataset (chosen: a
+record's next words; rejected: them shuffled, truncated or taken from another record, as in arXiv 2607.25091).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from common.data import load_problems, read_texts
+from common.models import add_lora, load_model, load_score_model
+from common.rollout import encode_pairs, position_ids, sequence_scores
+from common.testbed import render_testbed_prompt
+
+
+@dataclass
+class Pair:
+    prompt: str
+    chosen: str
+    rejected: str
+    problem: object = None  # the testbed Problem (verifiable), None for text
+
+
+def corrupt_answer(answer: str, rng: random.Random) -> str:
+    """A wrong or malformed answer: '15' -> '14' (near miss), '22' (far off), '151', '1' or '15+4'."""
+    u = rng.random()
+    if u < 0.4:
+        return str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
+    if u < 0.7:
+        return str(max(0, int(answer) + rng.choice([-1, 1]) * rng.randint(4, 10)))
+    if u < 0.8:
+        return answer + str(rng.randint(0, 9))
+    if u < 0.9:
+        return answer[:-1] or str(rng.randint(0, 9))
+    return f"{answer}+{rng.randint(1, 9)}"
+
+
+def build_pairs(args, split: str, n: int, seed: int) -> list[Pair]:
+    """Prompts with a chosen (correct / real) and a rejected (corrupted) completion, from --dataset: 'testbed' (its
+    --levels) or text (--text-field, cut into --prompt-words and --continuation-words)."""
+    rng = random.Random(f"{seed}-{split}")
+    if args.dataset == "testbed":
+        problems = load_problems("testbed", split, args.levels, n, seed)
+        return [Pair(render_testbed_prompt(p.question), p.answer, corrupt_answer(p.answer, rng), p) for p in problems]
+    need = args.prompt_words + args.continuation_words
+    cuts = [t.split() for t in read_texts(args.dataset, split, args.text_field, n) if len(t.split()) >= need]
+    if len(cuts) < 2:
+        raise SystemExit(f"error: {args.dataset!r} ({split}) has fewer than 2 texts with {need} words; "
+                         f"lower --prompt-words / --continuation-words")
+    out = []
+    for i, w in enumerate(cuts):
+        prompt, cont = " ".join(w[: args.prompt_words]), w[args.prompt_words: need]
+        u, other = rng.random(), cuts[(i + 1 + rng.randrange(len(cuts) - 1)) % len(cuts)]
+        bad = (rng.sample(cont, len(cont)) if u < 1 / 3 else cont[: len(cont) // 4] if u < 2 / 3
+               else other[args.prompt_words: need])  # shuffled / truncated / mismatched, as in the paper
+        out.append(Pair(prompt, " " + " ".join(cont), " " + " ".join(bad)))
+    return out
+
+
+def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str):
+    """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `pairs`."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    rng = random.Random(seed)
+    for _ in tqdm(range(steps), desc=desc, leave=False):
+        loss = loss_fn(rng.sample(pairs, min(batch_size, len(pairs))))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
+    """Stage 1: LoRA (alpha = 2r) on the chosen completions, next-token loss on the completion tokens."""
+    model = add_lora(load_model(base, "float32", device), ["default"], args.sft_lora_r, 2 * args.sft_lora_r,
+                     args.lora_target_modules)
+
+    def loss_fn(batch):
+        ids_BT, attn_BT, comp_BT = encode_pairs(tokenizer, [e.prompt for e in batch], [e.chosen for e in batch])
+        return model(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
+                     position_ids=position_ids(attn_BT).to(device),
+                     labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
+
+    fit_lora(model, pairs, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft")
+    model.save_pretrained(out_dir)
+
+
+def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
+    """Stage 2: the SFT backbone (adapter merged) with a scalar head, Bradley-Terry loss; saved merged."""
+    rm = load_score_model(sft_dir)
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    rm = add_lora(rm, ["default"], args.rm_lora_r, 2 * args.rm_lora_r, args.lora_target_modules,
+                  task_type="SEQ_CLS").to(device)
+
+    def loss_fn(batch):
+        ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in batch] * 2,
+                                          [e.chosen for e in batch] + [e.rejected for e in batch])
+        r_2B = rm(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device),
+                  position_ids=position_ids(attn_BT).to(device)).logits[:, 0]
+        return -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
+
+    fit_lora(rm, pairs, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model")
+    rm.merge_and_unload().save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def pair_accuracy(rm, tokenizer, pairs: list[Pair]) -> float:
+    """Fraction of held-out pairs where the RM scores the chosen completion above the rejected one."""
+    ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in pairs] * 2,
+                                      [e.chosen for e in pairs] + [e.rejected for e in pairs])
+    r_2B = sequence_scores(rm, ids_BT, attn_BT, tokenizer.pad_token_id)
+    return (r_2B[: len(pairs)] > r_2B[len(pairs):]).float().mean().item()
+
+
+def supervised_stages(args, base: str, tokenizer, pairs: list[Pair], run_dir: str, rank: int, device: str):
+    """Stages 1 and 2 on rank 0 (the other ranks wait): the SFT adapter (unless --sft-adapter), the SFT model with it
+    merged into the base, saved, and the reward model on that (unless --reward-model). Returns their three paths."""
+    from peft import PeftModel
+
+    sft_adapter = args.sft_adapter or os.path.join(run_dir, "sft_adapter")
+    rm_dir = args.reward_model or os.path.join(run_dir, "reward_model")
+    sft_dir = os.path.join(run_dir, "sft_merged")
+    if rank == 0:
+        if not args.sft_adapter:
+            train_sft(args, base, tokenizer, pairs, sft_adapter, device)
+        PeftModel.from_pretrained(load_model(base), sft_adapter).merge_and_unload().save_pretrained(sft_dir)
+        tokenizer.save_pretrained(sft_dir)
+        if not args.reward_model:
+            train_reward_model(args, sft_dir, tokenizer, pairs, rm_dir, device)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return sft_adapter, sft_dir, rm_dir
