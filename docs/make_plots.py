@@ -23,8 +23,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name: (script, extra flags, default seeds, panels). The extra flags shorten the demos that take more than a few
-# minutes on a 2-core CPU (the docs page of each says so). A panel is (title, [(metric, label)], smoothing window):
+# name: (script, extra flags, default seeds, panels). Every demo runs with its defaults, as `python <script>` does
+# (about 1-5 minutes a seed on a 2-core CPU). A panel is (title, [(metric, label)], smoothing window):
 # window 0 for evaluation metrics (logged every --eval-every steps), > 0 for per-step training metrics.
 DEMOS = {
     "grpo": ("grpo.py", [], [1, 2, 3], [
@@ -32,35 +32,35 @@ DEMOS = {
          [("eval/greedy_accuracy", "greedy"), ("eval/sampled_accuracy", "sampled, T=1"),
           ("eval/pass_at_k", "pass@4")], 0),
         ("training rollouts", [("reward/mean", "reward (= accuracy)"), ("adv/frac_zero_std", "zero-std groups")], 20)]),
-    "rloo_sec": ("rloo_sec.py", ["--total-steps", "60"], [1], [
+    "rloo_sec": ("rloo_sec.py", [], [1, 2, 3], [
         ("held-out greedy accuracy, levels 1-5",
          [("eval/greedy_accuracy", "all levels")] + [(f"eval/greedy_accuracy/level_{k}", f"level {k}")
                                                      for k in (1, 2, 3, 4, 5)], 0),
         ("SEC: probability of each arm", [(f"sec/prob/arm_{k}", f"level {k}") for k in (1, 2, 3, 4, 5)], 10)]),
-    "oc_grpo": ("oc_grpo.py", ["--total-steps", "40"], [1], [
+    "oc_grpo": ("oc_grpo.py", [], [1, 2, 3], [
         ("held-out accuracy, level 5", [("eval/greedy_accuracy", "greedy"), ("eval/pass_at_k", "pass@4")], 0),
         ("guidance", [("guide/frac_rescued", "rescued / all-fail groups"), ("is/weight_mean", "mean IS weight"),
                       ("train/accuracy", "unguided train accuracy")], 20)]),
-    "direct_opd": ("direct_opd.py", ["--total-steps", "100"], [1], [
+    "direct_opd": ("direct_opd.py", [], [1, 2, 3], [
         ("student held-out accuracy, level 3", [("eval/greedy_accuracy", "greedy"),
                                                 ("eval/sampled_accuracy", "sampled, T=1")], 0),
         ("dense reward and KL coefficient", [("delta_opd/weighted_reward_mean", "mean A_t(v)"),
                                              ("kl/coef", "KL coefficient / 10")], 10)]),
-    "ppo_slm": ("ppo_slm.py", ["--total-steps", "30"], [1], [
+    "ppo_slm": ("ppo_slm.py", [], [1, 2, 3], [
         ("held-out (PPO policy)", [("eval/rm_score", "reward-model score"),
                                    ("eval/greedy_accuracy", "greedy accuracy (verifier)")], 0),
         ("training rollouts", [("rm/score_mean", "raw RM score"), ("train/accuracy", "verifier accuracy")], 10)]),
-    "adakp": ("adakp.py", ["--total-steps", "60"], [1], [
+    "adakp": ("adakp.py", [], [1, 2, 3], [
         ("held-out accuracy, level 4, plain prompt", [("eval/greedy_accuracy", "greedy"),
                                                      ("eval/pass_at_k", "pass@4")], 0),
         ("knowledge points", [("kp/mean_size", "mean |S| shown"), ("train/accuracy", "hinted train accuracy"),
                               ("kp/zero_correct_frac", "all-wrong groups")], 20)]),
-    "mada_rl": ("mada_rl.py", ["--generator-steps", "20", "--critic-steps", "20"], [1], [
+    "mada_rl": ("mada_rl.py", [], [1, 2, 3], [
         ("held-out accuracy (before, after stage 1, end)",
          [("mada/eval/single_accuracy", "single generator (mean)"), ("mada/eval/majority_accuracy", "generators' vote"),
           ("mada/eval/debate_accuracy", "debate (mean over critics)")], 0),
         ("training rollouts of the active agent", [("train/accuracy", "accuracy"), ("mada/len_reward", "R_len")], 10)]),
-    "rlpf": ("rlpf.py", [], [1], [
+    "rlpf": ("rlpf.py", [], [1, 2, 3], [
         ("held-out programs (sampled)", [("eval/pass_rate", "pass rate"),
                                          ("eval/fast_frac", "share of correct ones >= 2x faster"),
                                          ("eval/cgre", "CGRE")], 0),
