@@ -56,7 +56,7 @@ from common.verifiers import extract_answer, score
 
 
 @dataclass
-class Args(TrainArgs):  # common/args.py: run folder, logging, device, model, data, rollout engine, eval
+class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling, optimiser, data, eval (no resume)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
     eval_debate: str = ""

@@ -70,7 +70,7 @@ from common.verifiers import format_reward, score
 
 
 @dataclass
-class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, model, data, rollout engine, eval
+class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, sampling, optimiser, data, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
     levels: tuple[int, ...] = (5,)

@@ -56,7 +56,7 @@ from common.run import (first_evaluation, make_optimizer, minibatch_counts, resu
 
 
 @dataclass
-class Args(RunArgs):  # common/args.py: run folder, resume, logging, device
+class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sampling, optimiser
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
 

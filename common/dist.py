@@ -17,6 +17,7 @@ Two ways to hold the model:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 
@@ -38,7 +39,16 @@ def init_distributed(device: str) -> tuple[int, int, str]:
         device = f"cuda:{local_rank}"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        atexit.register(_close_process_group)
     return rank, world, device
+
+
+def _close_process_group() -> None:
+    """Release this rank's process group when it exits (no barrier: a rank that ends early, or fails, never waits).
+    Left to the interpreter's teardown, gloo's threads were sometimes destroyed while running: the rank aborted
+    ("terminate called without an active exception", SIGABRT) after its work was done, failing the torchrun job."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _all_reduce_(x: torch.Tensor) -> None:
