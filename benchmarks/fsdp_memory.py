@@ -17,6 +17,7 @@ The ranks run with MALLOC_MMAP_THRESHOLD_=65536, so that large buffers are mappe
 memory back at once (otherwise glibc raises the threshold as it goes and RSS keeps freed blocks).
 """
 
+import argparse
 import ctypes
 import gc
 import json
@@ -174,5 +175,6 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3])
-    else:
+    else:  # no flags; --help prints the docstring instead of running (and rewriting fsdp_memory.md)
+        argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
         main()

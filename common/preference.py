@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from common.data import load_problems, read_texts
+from common.logger import fail
 from common.models import add_lora, load_model, load_score_model
 from common.rollout import encode_pairs, position_ids, sequence_scores
 from common.testbed import render_testbed_prompt
@@ -56,8 +57,8 @@ def build_pairs(args, split: str, n: int, seed: int) -> list[Pair]:
     need = args.prompt_words + args.continuation_words
     cuts = [t.split() for t in read_texts(args.dataset, split, args.text_field, n) if len(t.split()) >= need]
     if len(cuts) < 2:
-        raise SystemExit(f"error: {args.dataset!r} ({split}) has fewer than 2 texts with {need} words; "
-                         f"lower --prompt-words / --continuation-words")
+        fail(f"{args.dataset!r} ({split}) has fewer than 2 texts with {need} words; lower --prompt-words / "
+             "--continuation-words")
     out = []
     for i, w in enumerate(cuts):
         prompt, cont = " ".join(w[: args.prompt_words]), w[args.prompt_words: need]
