@@ -15,9 +15,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _failure(r) -> str:
     """What a failed torchrun says: the children's error lines first (torchrun's own summary is last)."""
-    errors = [ln for ln in r.stderr.splitlines()
-              if ("Error" in ln or ln.startswith("error:")) and "Warning" not in ln][:20]  # our one-line errors too
+    errors = [ln for ln in r.stderr.splitlines()  # our one-line errors, and what a child printed as it aborted
+              if ("Error" in ln or ln.startswith("error:") or "terminate called" in ln or "what():" in ln)
+              and "Warning" not in ln][:20]
     return "\n".join(errors) + "\n...\n" + r.stderr[-2000:]
+
+
+def _run_killed_once_more(run) -> tuple:
+    """run(run_name) -> torchrun result; once more in a fresh run folder when a child was killed by a signal (a
+    Python error or a wrong result is never retried). Returns the result and the run name it used."""
+    r = run("smoke")
+    if r.returncode != 0 and "exitcode: -" in r.stderr:
+        return run("smoke_retry"), "smoke_retry"
+    return r, "smoke"
 
 
 def _torchrun(*cmd, env=None, timeout=300, nproc=2):
@@ -40,10 +50,10 @@ def test_two_rank_fsdp_update_equals_one_process_update(tmp_path, weak_model_dir
     out = tmp_path / "out.json"
     r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
     if r.returncode != 0 and "exitcode: -" in r.stderr:
-        # A gloo child killed by a signal is retried once; a Python error or a wrong result is not. (The SIGABRT seen
-        # here, "terminate called without an active exception" at a finished rank's exit, was gloo's threads torn
-        # down with the interpreter; init_distributed now releases the group at exit, test below. The retry stays
-        # as a guard against other signals.)
+        # A gloo child killed by a signal is retried once; a Python error or a wrong result is not. The SIGABRT seen
+        # here ("terminate called without an active exception" at a finished rank's exit) became rarer once
+        # init_distributed released the group at exit (test below), but one was still seen in a full-suite run
+        # afterwards, cause not found; the torchrun smoke tests retry the same way (_run_killed_once_more).
         r = _torchrun("tests/fsdp_update_check.py", trainer, weak_model_dir, str(out))
     assert r.returncode == 0, _failure(r)
     for res in json.loads(out.read_text()):
@@ -179,17 +189,18 @@ def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     rank 0, then PPO with the policy, reference and reward model sharded) has no checkpoint but its PPO adapter and
     value head, gathered to rank 0."""
     flags = [weak_model_dir if f == "WEAK" else f for f in SMOKE[script]]
-    r = _torchrun(script, *flags, "--total-steps", "2", "--output-dir", str(tmp_path), "--run-name", "smoke")
+    r, name = _run_killed_once_more(lambda name: _torchrun(script, *flags, "--total-steps", "2", "--output-dir",
+                                                           str(tmp_path), "--run-name", name))
     assert r.returncode == 0, _failure(r)
-    rows = _rows(tmp_path / "smoke")
+    rows = _rows(tmp_path / name)
     assert sorted(rows) == [1, 2] and all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows.values())
     if script == "ppo_slm.py":
-        adapter = tmp_path / "smoke" / "ppo_adapter"
-        hidden = json.loads((tmp_path / "smoke" / "sft_merged" / "config.json").read_text())["hidden_size"]
+        adapter = tmp_path / name / "ppo_adapter"
+        hidden = json.loads((tmp_path / name / "sft_merged" / "config.json").read_text())["hidden_size"]
         assert torch.load(adapter / "value_head.pt")["weight"].shape == (1, hidden)  # whole, not rank 0's shard
         assert os.path.exists(adapter / "adapter_model.safetensors")
         return
-    ckpt = tmp_path / "smoke" / "checkpoint"
+    ckpt = tmp_path / name / "checkpoint"
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "sharded"))
     assert os.path.exists(ckpt / "model.safetensors")
 
@@ -227,10 +238,10 @@ def test_mada_rl_fsdp_smoke_run_saves_adapters_that_reproduce_its_debate(tmp_pat
     tiny = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "6",
             "--num-generators", "2", "--num-critics", "1", "--generator-steps", "1", "--critic-steps", "1",
             "--num-train-problems", "40", "--lora-r", "4"]
-    r = _torchrun("mada_rl.py", "--model-name", weak_model_dir, *tiny, "--fsdp", "--output-dir", str(tmp_path),
-                  "--run-name", "smoke")
+    r, name = _run_killed_once_more(lambda name: _torchrun("mada_rl.py", "--model-name", weak_model_dir, *tiny,
+                                                           "--fsdp", "--output-dir", str(tmp_path), "--run-name", name))
     assert r.returncode == 0, _failure(r)
-    run_dir = tmp_path / "smoke"
+    run_dir = tmp_path / name
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     assert [x["mada/stage"] for x in rows if "reward/mean" in x] == [1, 1, 3]
     assert all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows if "reward/mean" in x)
