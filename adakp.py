@@ -47,12 +47,13 @@ from common.args import TrainArgs, check_at_least
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
 from common.evaluate import evaluator
-from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
                             sampler_correction, split_completions)
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed, update_metrics, weight_metrics)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics,
+                        weight_metrics)
 from common.verifiers import format_reward, score
 
 
@@ -505,6 +506,11 @@ def main(args: Args) -> dict:
         if weigh:  # over the tokens of rows shown KPs
             metrics.update(weight_metrics(w_BC[hinted_B][mask_BC[hinted_B] > 0], args.is_clip_min))
         metrics = all_reduce_mean(metrics)
+        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl), with the KPs shown
+            metrics["samples/train"] = sample_rows(
+                tokenizer, rollouts, group_problems, args.log_samples, G, reward=rewards_B, correct=correct_B,
+                format=[format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)], advantage=adv_B,
+                kps_shown=[[p.hints[k] for k in S] for p, S in zip(problems, shown) for _ in range(G)])
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step

@@ -79,11 +79,11 @@ from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate, evaluator
-from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import check_same_vocab, load_model, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed)
 from common.testbed import ensure_testbed_teacher_pair
 from common.verifiers import score
 
@@ -420,6 +420,10 @@ def main(args: Args) -> dict:
         if zero_std_P is not None:
             metrics["adv/frac_zero_std"] = zero_std_P.float().mean().item()
         metrics = all_reduce_mean(metrics)
+        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
+            metrics["samples/train"] = sample_rows(
+                tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=return_B,
+                correct=correct_B, teacher_logratio=((post_logp_BC - base_logp_BC) * mask_BC).sum(1))
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step

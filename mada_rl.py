@@ -46,11 +46,11 @@ from common.args import TrainArgs, check_at_least
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
 from common.dist import (all_reduce_grads, all_reduce_mean, gather_shares, init_distributed, is_sharded, rank_world,
                          shard_models)
-from common.logger import RunLogger, check_run_args, fail
+from common.logger import RunLogger, check_run_args, fail, sample_rows
 from common.models import adapter_params, add_lora, load_adapters, load_model, load_tokenizer, use_adapter
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (load_train_eval, make_optimizer, minibatch_counts, rollout_perf_metrics, start_run, timed,
-                        update_metrics)
+from common.run import (load_train_eval, make_optimizer, minibatch_counts, rollout_perf_metrics, sample_step,
+                        start_run, timed, update_metrics, without_samples)
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 
@@ -271,6 +271,17 @@ def majority(answers: list[str], problem) -> str:
     return next(a for a, k in zip(answers, keys) if keys.count(k) == best)
 
 
+def debate_samples(answers: list[list[list[str]]], problems: list, k: int) -> list[dict]:
+    """The debate of the first k problems as text for samples.jsonl: the generators' answers, the proposals the first
+    critic saw in the last round, its final answer and whether it is right (or the first generator's, with one round)."""
+    final = answers[-1][0][:k]
+    correct = score(final, problems[:k])
+    return [{"prompt_tail": p.question[-200:], "completion": final[i], "gold": p.answer, "level": p.level,
+             "correct": correct[i], "generator_answers": [proposal_text(a[i], p) for a in answers[0]],
+             "proposals": [proposal_text(a[i], p) for a in answers[-2]] if len(answers) > 1 else None}
+            for i, p in enumerate(problems[:k])]
+
+
 def debate_metrics(answers: list[list[list[str]]], problems: list, num_generators: int) -> dict:
     """Held-out accuracy of a single generator, the generators' majority vote and the debate, by acc_G bucket.
 
@@ -386,6 +397,11 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             metrics["mada/acc_g"] = acc_g_P.mean().item()
             metrics["mada/beats_generators"] = (correct_PG.mean(1) - acc_g_P).mean().item()
         metrics = all_reduce_mean(metrics)
+        if sample_step(args, step) or (step == step0 + steps and args.log_samples > 0):  # and each agent's last step
+            metrics["samples/train"] = sample_rows(
+                tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=rewards_PG.flatten(),
+                correct=correct_PG.flatten(), advantage=adv_B, agent=[name] * len(adv_B),
+                proposals=[r[1] for r in batch_records for _ in range(args.group_size)] if stage == 3 else None)
         if run_eval is not None and args.eval_every and step % args.eval_every == 0:
             metrics.update(run_eval())
             use_adapter(model, name)  # the debate switched adapters
@@ -460,10 +476,12 @@ def main(args: Args) -> dict:
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer
         answers = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics, args.debate_rounds,
                          args.max_new_tokens, args.max_prompt_tokens)
-        return debate_metrics([[gather_shares(a) for a in rnd] for rnd in answers], eval_problems, len(generators))
+        answers = [[gather_shares(a) for a in rnd] for rnd in answers]
+        return {**debate_metrics(answers, eval_problems, len(generators)),
+                "samples/eval": debate_samples(answers, eval_problems, args.log_samples)}
 
     if args.eval_debate:
-        res = run_eval()
+        res = without_samples(run_eval())
         if rank == 0:
             print_table({"trained": res})
         return {"after": res, "run_dir": args.eval_debate}
@@ -476,6 +494,7 @@ def main(args: Args) -> dict:
     t_start = time.time()
     first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model
     logger.log(0, {**first_eval, **params_info})
+    first_eval = without_samples(first_eval)
 
     # Stage 1: generators, each on its own split
     step = 0
@@ -483,6 +502,7 @@ def main(args: Args) -> dict:
         step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, 1, n, run_eval)
     mid_eval = run_eval()  # trained generators, untrained critics
     logger.log(step, mid_eval)
+    mid_eval = without_samples(mid_eval)
 
     # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
     stage2 = {}
@@ -497,6 +517,7 @@ def main(args: Args) -> dict:
     final_eval = run_eval()
     final_eval["mada/train_time_s"] = time.time() - t_start
     logger.log(step, {**final_eval, **stage2})
+    final_eval = without_samples(final_eval)
     logger.close()
     adapters = {n: t.full_tensor() if is_sharded(model) else t  # every rank gathers; rank 0 writes
                 for n, t in model.state_dict().items() if "lora_" in n}

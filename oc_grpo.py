@@ -60,11 +60,11 @@ from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
 from common.evaluate import evaluator
-from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed, weight_metrics)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, weight_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
 
@@ -455,6 +455,12 @@ def main(args: Args) -> dict:
             **weight_metrics(w_BC[guided_rows][rollouts.completion_mask_BC[guided_rows] > 0], args.is_clip_min),
         })
         metrics = all_reduce_mean(metrics)
+        if sample_step(args, step):  # a few of the step's rows as text (samples.jsonl), guided ones as trained
+            metrics["samples/train"] = sample_rows(
+                tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=rewards_B,
+                correct=correct_B, format=[format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)],
+                advantage=adv_B, guidance_fraction=[f for f in fracs for _ in range(G)],
+                is_weight=(w_BC * mask_BC).sum(1) / mask_BC.sum(1).clamp(min=1))
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step

@@ -49,11 +49,11 @@ import tyro
 from common.args import ExperimentArgs
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
                          local_part, shard_models)
-from common.logger import RunLogger
+from common.logger import RunLogger, sample_rows
 from common.models import add_lora, load_model, load_score_model, load_tokenizer, resolve_model
 from common.preference import build_pairs, pair_accuracy, supervised_stages
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores
-from common.run import rollout_perf_metrics, start_run, step_bar, timed, update_metrics
+from common.run import rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples
 from common.verifiers import score
 
 
@@ -374,12 +374,16 @@ def main(args: Args) -> dict:
             out["eval/sampled_accuracy"] = c_B.mean().item()
             out["eval/greedy_accuracy"] = verify(generate(model, eval_ids, FiniteLogits(), greedy=True).texts,
                                                  eval_ex).mean().item()
+        if args.log_samples > 0:  # the sampled answers the scores are of, as text (samples.jsonl)
+            out["samples/eval"] = sample_rows(tokenizer, rollouts, [e.problem for e in eval_ex], args.log_samples,
+                                              rm_score=s_B, correct=c_B)
         return out, s_B, c_B
 
     rm_acc = pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
     sft_eval, sft_s_B, sft_c_B = run_eval(ref_model)
     first_eval = {"rm/pair_accuracy": rm_acc, "time/stages": t_stages, **sft_eval}
     logger.log(0, first_eval)
+    first_eval, sft_eval = without_samples(first_eval), without_samples(sft_eval)
     if rank == 0:
         print(f"reward model held-out pair accuracy {rm_acc:.3f} ({t_stages:.0f} s for SFT + RM)")
     rollbacks, checked, metrics, step = 0, False, {}, 0
@@ -480,6 +484,9 @@ def main(args: Args) -> dict:
         if correct_B is not None:
             metrics["train/accuracy"] = correct_B.mean().item()
         metrics = all_reduce_mean(metrics)
+        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
+            metrics["samples/train"] = sample_rows(tokenizer, rollouts, [e.problem for e in batch_ex], args.log_samples,
+                                                   rm_score=raw_B, reward=total_B, correct=correct_B)
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
         if stop:
@@ -499,6 +506,7 @@ def main(args: Args) -> dict:
         final_eval["eval/win_rate_verifier"] = ((c_B > sft_c_B).float() + 0.5 * (c_B == sft_c_B).float()).mean().item()
     final_eval["safety/rollbacks"] = rollbacks
     logger.log(step, final_eval)
+    final_eval = without_samples(final_eval)
     logger.close(plot=False)
     trained = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu()  # every rank: each gather a collective
                for n, t in policy.state_dict().items() if "lora_" in n or n.startswith("v_head.")}

@@ -62,11 +62,11 @@ from common.args import TrainArgs
 from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluator
-from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, start_run, step_bar, timed)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed)
 from common.verifiers import format_reward, score
 
 
@@ -407,6 +407,11 @@ def main(args: Args) -> dict:
                         for lv in train_levels})
         metrics.update(mismatch)
         metrics = all_reduce_mean(metrics)
+        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
+            metrics["samples/train"] = sample_rows(
+                tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=rewards_B,
+                correct=correct_B, format=[format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)],
+                advantage=adv_B, arm=[sampler.names[a] for a in arm_B.tolist()])
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step

@@ -48,11 +48,11 @@ from common.args import RunArgs
 from common.code_tasks import CODE_MODEL, ensure_code_model, extract_program, judge, render_code_prompt, select_tasks
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
-from common.logger import RunLogger, check_run_args, open_checkpoint, save_checkpoint
+from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import load_model, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
 from common.run import (first_evaluation, make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics,
-                        start_run, step_bar, timed, update_metrics)
+                        sample_step, start_run, step_bar, timed, update_metrics, without_samples)
 
 
 @dataclass
@@ -339,8 +339,10 @@ def evaluate_code(engine, tokenizer, tasks: list, args: Args) -> dict:
     """One greedy and --eval-samples sampled programs per task, judged; eval/greedy_* and eval/* metrics."""
     prompt_ids = encode_prompts(tokenizer, [render_code_prompt(t, tokenizer) for t in tasks])
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=args.max_new_tokens, greedy=True)
-    out = code_metrics(judge_programs(tasks, [extract_program(x, t.entry) for x, t in zip(greedy.texts, tasks)],
-                                      args)[0], "eval/greedy_")
+    judged = judge_programs(tasks, [extract_program(x, t.entry) for x, t in zip(greedy.texts, tasks)], args)[0]
+    out = code_metrics(judged, "eval/greedy_")
+    if args.log_samples > 0:
+        out["samples/eval"] = sample_rows(tokenizer, greedy, tasks, args.log_samples, **verdict_fields(judged))
     if args.eval_samples > 0:
         sampled = engine.generate(prompt_ids, n=args.eval_samples, temperature=args.temperature,
                                   max_new_tokens=args.max_new_tokens)
@@ -349,6 +351,12 @@ def evaluate_code(engine, tokenizer, tasks: list, args: Args) -> dict:
         out.update(code_metrics(judged, "eval/"))
         out["eval/reference_noise"] = noise["timing/reference_noise"]
     return out
+
+
+def verdict_fields(judged: list) -> dict:
+    """Per program, for samples.jsonl: the task, the sandbox's status and message, and the speed-up T_b / T_c."""
+    return {"status": [v.status for v, _, _ in judged], "message": [v.message[:200] for v, _, _ in judged],
+            "speedup": [tb / v.runtime if v.status == "correct" and v.runtime else None for v, tb, _ in judged]}
 
 
 def score_file(args: Args) -> dict:
@@ -469,6 +477,10 @@ def main(args: Args) -> dict:
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         metrics = all_reduce_mean(metrics)
+        if sample_step(args, step):  # a few of the step's programs as text (samples.jsonl), with their verdicts
+            metrics["samples/train"] = sample_rows(
+                tokenizer, rollouts, group_tasks, args.log_samples, args.group_size, reward=rewards_B,
+                correct=correct_B, advantage=adv_B, task=[t.name for t in group_tasks], **verdict_fields(judged))
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
@@ -478,6 +490,7 @@ def main(args: Args) -> dict:
 
     final_eval = run_eval()
     logger.log(args.total_steps, final_eval)
+    final_eval = without_samples(final_eval)
     logger.close()
     if rank == 0:
         for key, what in (("eval/pass_rate", "sampled pass rate"),

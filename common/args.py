@@ -27,6 +27,11 @@ class ExperimentArgs:
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (team or user)"""
+    log_samples: int = 4
+    """rollouts of the step (one per group) and greedy held-out answers written as text to samples.jsonl, the
+    console and wandb (a Table) at every evaluation step and the last step (0: none; docs/runs.md)"""
+    log_samples_every: int = 0
+    """also write the step's sample rollouts every N steps (0: only at evaluation steps and the last step)"""
     device: str = "cpu"
     """torch device ('cpu', 'cuda')"""
 

@@ -6,6 +6,7 @@ from collections import defaultdict
 from math import comb
 
 from common.data import encode_prompts, render_prompt
+from common.logger import sample_rows
 from common.verifiers import score
 
 
@@ -21,14 +22,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0,
-             temperature: float = 1.0, pass_k: int = 0, max_prompt_tokens: int = 0) -> dict:
-    """eval/greedy_accuracy (and per level), eval/sampled_accuracy and eval/pass_at_k when num_samples > 0."""
+             temperature: float = 1.0, pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0) -> dict:
+    """eval/greedy_accuracy (and per level), eval/sampled_accuracy and eval/pass_at_k when num_samples > 0; with
+    log_samples > 0 also 'samples/eval': that many greedy answers as text (common.logger.sample_rows)."""
     if not problems:
         return {}
     prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], max_prompt_tokens)
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
     correct = score(greedy.texts, problems)
     out = {"eval/greedy_accuracy": sum(correct) / len(correct)}
+    if log_samples > 0:
+        out["samples/eval"] = sample_rows(tokenizer, greedy, problems, log_samples, correct=correct)
     by_level = defaultdict(list)
     for p, c in zip(problems, correct):
         by_level[p.level].append(c)
@@ -47,4 +51,4 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
 def evaluator(engine, tokenizer, problems: list, args):
     """A trainer's `run_eval()`: `evaluate` on the held-out problems with the run's sampling and evaluation flags."""
     return lambda: evaluate(engine, tokenizer, problems, args.max_new_tokens, args.eval_samples, args.temperature,
-                            args.eval_pass_k, args.max_prompt_tokens)
+                            args.eval_pass_k, args.max_prompt_tokens, args.log_samples)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from common.data import load_problems
 from common.dist import all_reduce_sum
-from common.logger import resume
+from common.logger import SAMPLES, resume
 
 
 def start_run(args, rank: int) -> str:
@@ -80,6 +80,14 @@ def timed(times: dict, name: str):
         times[name] = times.get(name, 0.0) + time.time() - t0
 
 
+def sample_step(args, step: int) -> bool:
+    """Whether the rollouts of `step` are written as samples (samples.jsonl): with --log-samples > 0, at evaluation
+    steps (--eval-every), the last step, and every --log-samples-every steps."""
+    every, extra = getattr(args, "eval_every", 0), args.log_samples_every
+    return args.log_samples > 0 and (step == args.total_steps or bool(every and step % every == 0)
+                                     or bool(extra and step % extra == 0))
+
+
 def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
@@ -132,7 +140,12 @@ def first_evaluation(run_eval, state: dict, logger) -> dict:
     if first_eval is None:
         first_eval = run_eval()
         logger.log(state["step"], first_eval)
-    return first_eval
+    return without_samples(first_eval)
+
+
+def without_samples(metrics: dict) -> dict:
+    """The metrics without their sample lists (common.logger.SAMPLES), as kept in checkpoints and returned by main."""
+    return {k: v for k, v in metrics.items() if not k.startswith(SAMPLES)}
 
 
 def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir: str,
@@ -141,6 +154,7 @@ def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir
     before -> after. Returns the final evaluation."""
     final_eval = run_eval()
     logger.log(step, final_eval)
+    final_eval = without_samples(final_eval)
     logger.close()
     if rank == 0:
         before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)

@@ -106,3 +106,28 @@ def assert_flags_documented(Args) -> None:
         src = inspect.getsource(owner).splitlines()
         line = next(i for i, ln in enumerate(src) if ln.strip().startswith(f"{f.name}:"))
         assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
+
+
+SAMPLE_FIELDS = ("step", "kind", "index", "prompt_tail", "completion", "truncated", "gold", "level")
+
+
+def assert_samples(run_dir, train_fields=(), eval_fields=("correct",), steps=None) -> list[dict]:
+    """samples.jsonl of a run holds training rollouts (with `train_fields`) at the steps `steps` (default: the last
+    logged step at least) and greedy held-out answers (with `eval_fields`), each with the common fields and a
+    non-empty decoded completion; returns its rows."""
+    import json
+
+    path = os.path.join(run_dir, "samples.jsonl")
+    assert os.path.exists(path), "no samples.jsonl"
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    for kind, fields in (("train", train_fields), ("eval", eval_fields)):
+        mine = [r for r in rows if r["kind"] == kind]
+        assert mine, f"no {kind} samples"
+        for r in mine:
+            missing = [k for k in (*SAMPLE_FIELDS, *fields) if k not in r]
+            assert not missing, (kind, missing, r)
+            assert isinstance(r["completion"], str) and isinstance(r["truncated"], bool)
+    if steps is not None:
+        assert sorted({r["step"] for r in rows if r["kind"] == "train"}) == list(steps)
+    return rows

@@ -16,6 +16,7 @@ from common.logger import read_metrics
 from common.models import load_model, load_tokenizer
 from common.rollout import attach
 from common.testbed import make_suite
+from conftest import assert_samples
 
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "8", "--num-eval-problems", "8",
         "--eval-samples", "0", "--eval-every", "0", "--num-train-problems", "16"]
@@ -148,6 +149,9 @@ def test_smoke_run_logs_kp_metrics(tmp_path, weak_model_dir, extra):
         for k in ("kp/mean_size", "kp/proxy_passes", "kp/trunc_bound_max", "kp/zero_correct_frac", "loss/policy"):
             assert math.isfinite(r[k]), k
         assert 0 <= r["kp/mean_size"] <= 3
+    samples = assert_samples(out["run_dir"], ("reward", "advantage", "kps_shown"), steps=[2])
+    for r in (r for r in samples if r["kind"] == "train"):  # the hinted prompt the rollout came from shows its KPs
+        assert all(f"Hint:{k}" in r["prompt_tail"] for k in r["kps_shown"])
     if extra[1] == "adakp":  # every sampled problem is re-selected each step: a few batched forwards, not one per KP
         assert all(r["kp/reselected"] >= 1 and 1 <= r["kp/proxy_passes"] <= 4 for r in rows)
     else:  # static: nothing is re-selected during training; the weight is logged

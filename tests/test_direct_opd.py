@@ -13,7 +13,7 @@ import tyro
 
 import direct_opd
 from common.logger import read_metrics
-from conftest import alone_env, assert_flags_documented
+from conftest import alone_env, assert_flags_documented, assert_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "4", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
@@ -129,6 +129,8 @@ def test_a_real_teacher_shift_moves_every_parameter(tmp_path, tiny_model_dir, sh
     end = _weights(out["run_dir"])
     unchanged = [k for k in start if torch.equal(start[k], end[k])]
     assert not unchanged, unchanged
+    samples = assert_samples(out["run_dir"], ("reward", "teacher_logratio"), steps=[2])
+    assert any(r["teacher_logratio"] != 0 for r in samples if r["kind"] == "train")
 
 
 @pytest.mark.parametrize("reward", ["vanilla_opd", "direct_plus_grpo"])

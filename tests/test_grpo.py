@@ -12,7 +12,7 @@ import tyro
 
 import grpo
 from common.logger import KILL_AFTER_SAVE, read_metrics
-from conftest import alone_env, assert_flags_documented
+from conftest import alone_env, assert_flags_documented, assert_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "16", "--num-eval-problems", "8",
@@ -38,6 +38,39 @@ def test_subprocess_smoke_run(tmp_path, weak_model_dir, copy_alone):
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     assert (tmp_path / "smoke" / "curve.png").exists() and (tmp_path / "smoke" / "args.json").exists()
     assert os.path.exists(tmp_path / "smoke" / "checkpoint" / "model.safetensors")
+
+
+def test_samples_at_eval_steps_and_the_last_step_in_the_file_the_console_and_wandb(tmp_path, weak_model_dir, capsys,
+                                                                                  monkeypatch):
+    import glob
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = grpo.main(_args(tmp_path, "--total-steps", "3", "--eval-every", "2", "--log-samples", "3", "--track",
+                          "--run-name", "samples"))
+    rows = assert_samples(out["run_dir"], ("reward", "correct", "format", "advantage"), ("correct",), steps=[2, 3])
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [(r["step"], r["index"]) for r in train] == [(s, i) for s in (2, 3) for i in range(3)]  # one per group
+    assert sorted({r["step"] for r in rows if r["kind"] == "eval"}) == [0, 2, 3]  # before, at --eval-every, after
+    eos = "<|im_end|>"
+    for r in rows:  # decoded with special tokens: a finished completion shows its eos, a truncated one does not
+        assert r["completion"].endswith(eos) != r["truncated"], r
+        assert r["prompt_tail"].endswith("A:") and r["gold"].isdigit()
+    console = capsys.readouterr().out
+    assert console.count("sample step 2 train #") == 3 and "sample step 0 eval #0" in console
+    metrics_rows = read_metrics(os.path.join(out["run_dir"], "metrics.jsonl"))
+    assert not any(k.startswith("samples/") for r in metrics_rows for k in r)  # text stays out of the metrics
+    assert not any(k.startswith("samples/") for k in out["before"]) and not any(k.startswith("samples/")
+                                                                                for k in out["after"])
+    tables = glob.glob(os.path.join(out["run_dir"], "wandb", "*", "files", "media", "table", "samples", "*.json"))
+    assert {os.path.basename(t).split("_")[0] for t in tables} == {"train", "eval"}, tables
+    with open(sorted(t for t in tables if os.path.basename(t).startswith("train"))[0]) as f:
+        table = json.load(f)
+    assert "completion" in table["columns"] and len(table["data"]) == 3
+
+
+def test_log_samples_zero_writes_no_samples(tmp_path, weak_model_dir):
+    out = grpo.main(_args(tmp_path, "--total-steps", "1", "--log-samples", "0", "--run-name", "nosamples"))
+    assert not os.path.exists(os.path.join(out["run_dir"], "samples.jsonl"))
 
 
 def test_short_run_raises_reward_and_changes_every_parameter(tmp_path, weak_model_dir):

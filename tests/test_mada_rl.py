@@ -17,6 +17,7 @@ from common.data import load_problems
 from common.logger import read_metrics
 from common.models import load_model
 from common.testbed import Problem
+from conftest import assert_samples
 
 
 # The length reward: lam = 0.5 - (len - min) / (max - min) within the group; wrong answers never gain
@@ -203,3 +204,7 @@ def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
         assert again["after"][k] == pytest.approx(out["after"][k]), k
     with open(os.path.join(run_dir, "args.json")) as f:
         assert json.load(f)["counterfactual"] is True
+    samples = assert_samples(run_dir, ("reward", "advantage", "agent", "proposals"), ("correct", "proposals"))
+    train = [r for r in samples if r["kind"] == "train"]
+    assert {r["agent"] for r in train} == {"gen0", "gen1", "critic0", "critic1"}  # each agent's last step at least
+    assert all((r["proposals"] is None) == r["agent"].startswith("gen") for r in train)

@@ -15,6 +15,7 @@ import oc_grpo
 from common.logger import read_metrics
 from common.rollout import completion_logprobs, finish_rollouts, left_pad
 from common.testbed import build_tokenizer, make_problem
+from conftest import assert_samples
 
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "8", "--num-eval-problems", "8",
         "--eval-samples", "0", "--eval-every", "0"]
@@ -184,6 +185,11 @@ def test_smoke_run_guides_failed_groups_and_trains_on_the_unguided_prompt(tmp_pa
     assert any(r["is/weight_mean"] < 1.0 for r in rows if r["guide/rescued_groups"])
     assert os.path.exists(os.path.join(out["run_dir"], "checkpoint", "model.safetensors"))
     assert 0.0 <= out["after"]["eval/greedy_accuracy"] <= 1.0
+    samples = assert_samples(out["run_dir"], ("reward", "advantage", "guidance_fraction", "is_weight"), steps=[2])
+    for r in samples:  # guided rows are shown as trained: on the plain prompt, with their fraction and weight
+        if r["kind"] == "train":
+            assert r["is_weight"] == 1.0 if r["guidance_fraction"] is None else 0.01 <= r["is_weight"] <= 1.0
+            assert "Ref:" not in r["prompt_tail"]
 
 
 def test_fixed_guidance_adds_guided_rows_from_an_offline_probe(tmp_path, weak_model_dir, capsys):

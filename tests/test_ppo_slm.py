@@ -8,7 +8,7 @@ import tyro
 from safetensors.torch import load_file
 
 import ppo_slm
-from conftest import assert_flags_documented
+from conftest import assert_flags_documented, assert_samples
 from common.logger import read_metrics
 
 TINY = ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prompts", "16", "--num-prompts", "8",
@@ -75,6 +75,7 @@ def test_full_pipeline_runs_and_reports(stages):
     for key in ("eval/rm_score", "eval/win_rate_rm", "eval/win_rate_verifier", "eval/greedy_accuracy"):
         assert key in out["after"], key
     assert os.path.exists(os.path.join(out["run_dir"], "ppo_adapter", "value_head.pt"))
+    assert_samples(out["run_dir"], ("rm_score", "reward", "correct"), ("rm_score", "correct"), steps=[3])
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import tyro
 
 import rlpf
 from common.logger import read_metrics
+from conftest import assert_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAILURES = ("no_program", "compile_error", "runtime_error", "timeout", "memory_limit", "wrong_output")
@@ -123,3 +124,6 @@ def test_short_run_trains_and_logs_code_metrics(tmp_path):
     assert "eval/pass_rate" in out["after"] and "eval/greedy_pass_rate" in out["after"]
     after = load_model(str(tmp_path / "smoke" / "checkpoint")).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    samples = assert_samples(tmp_path / "smoke", ("reward", "status", "speedup", "task"), ("status", "speedup"),
+                             steps=[2])
+    assert all(r["status"] in ("correct",) + FAILURES for r in samples)
