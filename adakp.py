@@ -31,7 +31,6 @@ Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, V
 scored in one forward, K the entropy proxy's top-k.
 """
 
-import copy
 import math
 import os
 import random
@@ -48,7 +47,7 @@ from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
 from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
-from common.models import load_model, load_tokenizer
+from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
                             sampler_correction, split_completions)
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
@@ -324,8 +323,8 @@ def main(args: Args) -> dict:
     run_dir = start_run(args, rank)
     tokenizer = load_tokenizer(args.model_name)
     train_problems, eval_problems = load_train_eval(args)
-    model = load_model(args.model_name, args.dtype, device)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
+    ref_model = frozen_copy(model, args) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices

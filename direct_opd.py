@@ -64,7 +64,6 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, V vocabulary, K top-K support.
 """
 
-import copy
 import os
 import time
 from dataclasses import dataclass
@@ -80,7 +79,7 @@ from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate, evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
-from common.models import check_same_vocab, load_model, load_tokenizer
+from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed)
@@ -308,8 +307,8 @@ def main(args: Args) -> dict:
     teacher_post = args.teacher_post or default_teacher_post(args.teacher_pre)
     run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
     train_problems, eval_problems = load_train_eval(args)
-    model = load_model(args.model_name, args.dtype, device)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
+    ref_model = frozen_copy(model, args)
     post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
     pre_model = load_model(args.teacher_pre, args.dtype, device).eval().requires_grad_(False)
     model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp

@@ -62,7 +62,8 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     eval_debate: str = ""
     """path of a finished run folder: load its adapters and only run the held-out debate (no training)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the frozen base weights (the LoRA weights follow it)"""
+    """dtype of the frozen base weights and of the compute (the LoRA adapters stay float32, peft's default, so their
+    updates do not round away)"""
     num_train_problems: int = 1200
     """training problems before the split into N + M disjoint parts (0: all; testbed: 500 per level)"""
     rollout_backend: Literal["hf", "hf_generate"] = "hf"
@@ -273,7 +274,7 @@ def majority(answers: list[str], problem) -> str:
 
 def debate_samples(answers: list[list[list[str]]], problems: list, k: int) -> list[dict]:
     """The debate of the first k problems as text for samples.jsonl: the generators' answers, the proposals the first
-    critic saw in the last round, its final answer and whether it is right (or the first generator's, with one round)."""
+    critic saw in the last round, its final answer and whether it is right (with one round: the first generator's)."""
     final = answers[-1][0][:k]
     correct = score(final, problems[:k])
     return [{"prompt_tail": p.question[-200:], "completion": final[i], "gold": p.answer, "level": p.level,

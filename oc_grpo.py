@@ -45,7 +45,6 @@ perf/gen_tokens_per_s count all generation of the step, the cascade's included (
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens.
 """
 
-import copy
 import os
 import re
 import time
@@ -61,7 +60,7 @@ from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
 from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
-from common.models import load_model, load_tokenizer
+from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, weight_metrics)
@@ -315,8 +314,8 @@ def main(args: Args) -> dict:
     run_dir = start_run(args, rank)
     tokenizer = load_tokenizer(args.model_name)
     train_problems, eval_problems = load_train_eval(args)
-    model = load_model(args.model_name, args.dtype, device)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
+    ref_model = frozen_copy(model, args) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)

@@ -485,8 +485,8 @@ def main(args: Args) -> dict:
             metrics["train/accuracy"] = correct_B.mean().item()
         metrics = all_reduce_mean(metrics)
         if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
-            metrics["samples/train"] = sample_rows(tokenizer, rollouts, [e.problem for e in batch_ex], args.log_samples,
-                                                   rm_score=raw_B, reward=total_B, correct=correct_B)
+            metrics["samples/train"] = sample_rows(tokenizer, rollouts, [e.problem for e in batch_ex],
+                                                   args.log_samples, rm_score=raw_B, reward=total_B, correct=correct_B)
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
         if stop:

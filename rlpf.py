@@ -32,7 +32,6 @@ its affine drift recalibration (references are re-timed every step instead), dyn
 Shapes: B rows (= P tasks x G group), T tokens per row, C completion tokens.
 """
 
-import copy
 import json
 import os
 import time
@@ -49,7 +48,7 @@ from common.code_tasks import CODE_MODEL, ensure_code_model, extract_program, ju
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
-from common.models import load_model, load_tokenizer
+from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
 from common.run import (first_evaluation, make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics,
                         sample_step, start_run, step_bar, timed, update_metrics, without_samples)
@@ -393,8 +392,8 @@ def main(args: Args) -> dict:
     train_tasks = select_tasks(args.dataset, args.tasks)
     eval_tasks = train_tasks  # the same tasks: the evaluation measures the policy, not generalisation
     print(f"sandbox isolation: {sandbox.isolation()}")
-    model = load_model(model_path, args.dtype, device)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
+    ref_model = frozen_copy(model, args) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_tasks, args.seed + rank)

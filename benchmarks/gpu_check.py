@@ -10,7 +10,7 @@ peak GPU memory; then the same under torchrun (one rank, NCCL) with `--fsdp`. Pa
 weights, the testbed's byte tokenizer, an eos it never samples so every completion runs to the cap): 16 prompts x
 8 samples x 128 new tokens, micro-batch 32, step time = median of the steps after the first. Configurations: the
 plain path in bfloat16 with our sampling loop (`hf`) and with `model.generate` (`hf_generate`), and `--fsdp` under
-torchrun with one rank (NCCL) with float32 master weights and `--fsdp-mixed-precision`. One GPU cannot show
+torchrun with one rank (NCCL) with float32 master weights and `--dtype bfloat16`. One GPU cannot show
 sharding's saving (docs/fsdp.md works it out per rank count); this checks that the FSDP2 path runs on CUDA/NCCL
 and what it costs on one device.
 """
@@ -129,13 +129,13 @@ def part2(device: str, out_dir: str, timeout: int, dry_run: bool, size: str = "0
             "--learning-rate", "1e-6", "--eval-every", "0", "--num-eval-problems", "0", "--eval-samples", "0"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     # (name, command, bytes of training state per parameter: weights + gradients + two AdamW moments)
-    configs = [("plain, bfloat16, hf (own loop)", [sys.executable, *base, "--dtype", "bfloat16"], 8),
-               ("plain, bfloat16, hf_generate", [sys.executable, *base, "--dtype", "bfloat16", "--rollout-backend",
-                                                 "hf_generate"], 8),
-               ("--fsdp, 1 rank, float32 + --fsdp-mixed-precision", [*torchrun, *base, "--fsdp",
-                                                                      "--fsdp-mixed-precision"], 16),
-               ("--fsdp, 1 rank, bfloat16", [*torchrun, *base, "--fsdp", "--dtype", "bfloat16"], 8)]
-    if quick:  # the memory comparison only: plain bf16 against float32 master weights under --fsdp
+    configs = [("plain, bfloat16 (float32 masters), hf (own loop)", [sys.executable, *base, "--dtype", "bfloat16"], 16),
+               ("plain, bfloat16 (float32 masters), hf_generate", [sys.executable, *base, "--dtype", "bfloat16",
+                                                                   "--rollout-backend", "hf_generate"], 16),
+               ("--fsdp, 1 rank, bfloat16 (float32 masters)", [*torchrun, *base, "--fsdp", "--dtype", "bfloat16"], 16),
+               ("--fsdp, 1 rank, bfloat16 --no-master-weights", [*torchrun, *base, "--fsdp", "--dtype", "bfloat16",
+                                                                 "--no-master-weights"], 8)]
+    if quick:  # the memory comparison only: plain bf16 against FSDP2's bf16 compute over float32 masters
         configs = [configs[0], configs[2]]
     params = count_parameters(model)
     results = []

@@ -43,12 +43,15 @@ class RunArgs(ExperimentArgs):
     save_every: int = 0
     """write a checkpoint every N steps (0: only at the end)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the policy weights"""
+    """compute precision. bfloat16 / float16: forward and backward in that dtype (autocast; under --fsdp, FSDP2's
+    bfloat16 copies of the parameters with gradients reduced in float32) over float32 master weights, gradients and
+    AdamW state; frozen models (reference, teachers) are stored in it (docs/fsdp.md: bytes per parameter)"""
+    master_weights: bool = True
+    """with --dtype bfloat16 / float16, keep the trained weights in float32; --no-master-weights stores them in
+    --dtype (half their memory, but AdamW updates below half a bfloat16 step round away: a warning is printed)"""
     fsdp: bool = False
     """shard parameters, gradients and AdamW state over the torchrun ranks with FSDP2 (per decoder layer and the
     root; reference, teacher and reward models too); without it every rank holds the whole model (docs/fsdp.md)"""
-    fsdp_mixed_precision: bool = False
-    """with --fsdp: forward and backward in bfloat16 copies of the parameters, gradients reduced in float32"""
 
     # Sampling
     temperature: float = 1.0

@@ -132,8 +132,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 def shard_models(args, *models):
     """With `args.fsdp`: FSDP2 on every decoder layer and then on the root of each model (None passes through),
     all on one mesh over every rank; gradients are summed over ranks (the losses are divided by global
-    normalisers, as on the plain path). `args.fsdp_mixed_precision`: compute with bfloat16 copies of the
-    parameters and reduce gradients in float32; the sharded parameters and AdamW state keep --dtype. Without
+    normalisers, as on the plain path). --dtype bfloat16 / float16 (with master weights): compute with copies of the
+    parameters in that dtype and reduce gradients in float32; the sharded parameters and AdamW state stay float32
+    (frozen models are stored in --dtype already, so their copies cost nothing). Without
     --fsdp the models come back unchanged. One process with --fsdp gets a one-rank group (same code path)."""
     if not getattr(args, "fsdp", False):
         return models
@@ -145,8 +146,9 @@ def shard_models(args, *models):
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh(device.type if device is not None else "cpu", (dist.get_world_size(),))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if getattr(args, "fsdp_mixed_precision", False) else MixedPrecisionPolicy())
+    low = getattr(args, "dtype", "float32") != "float32" and getattr(args, "master_weights", False)
+    mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32) if low
+          else MixedPrecisionPolicy())
     for model in models:
         if model is None:
             continue

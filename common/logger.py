@@ -96,8 +96,8 @@ class RunLogger:
             columns = list(dict.fromkeys(k for r in rows for k in r))
             data = [[r.get(c) if not isinstance(r.get(c), (list, dict)) else json.dumps(r.get(c)) for c in columns]
                     for r in rows]
-            self.wandb.log({f"{SAMPLES}{kind}": wandb.Table(columns=["step", *columns], data=[[step, *d] for d in data])},
-                           step=step)
+            table = wandb.Table(columns=["step", *columns], data=[[step, *d] for d in data])
+            self.wandb.log({f"{SAMPLES}{kind}": table}, step=step)
 
     def close(self, plot: bool = True) -> None:
         if not self.enabled:
@@ -138,10 +138,11 @@ def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1
     """
     out = []
     for b in range(0, len(problems), group_size)[:k]:
-        prompt_BL = rollouts.input_ids_BT[b, : rollouts.prompt_len][rollouts.attention_mask_BT[b, : rollouts.prompt_len] > 0]
+        L = rollouts.prompt_len
+        prompt_L = rollouts.input_ids_BT[b, :L][rollouts.attention_mask_BT[b, :L] > 0]
         completion = rollouts.completion_ids_BC[b, : int(rollouts.lengths_B[b])]
         problem = problems[b]
-        out.append({"prompt_tail": tokenizer.decode(prompt_BL, skip_special_tokens=False)[-PROMPT_TAIL_CHARS:],
+        out.append({"prompt_tail": tokenizer.decode(prompt_L, skip_special_tokens=False)[-PROMPT_TAIL_CHARS:],
                     "completion": tokenizer.decode(completion, skip_special_tokens=False),
                     "truncated": bool(rollouts.truncated_B[b]), "gold": getattr(problem, "answer", None),
                     "level": getattr(problem, "level", None),
@@ -244,9 +245,6 @@ def check_run_args(args, min_group_size: int = 2) -> None:
     if args.eval_samples > 0 and args.eval_pass_k > args.eval_samples:
         fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
              "(pass@k is estimated from that many samples per problem)")
-    if getattr(args, "fsdp_mixed_precision", False) and not getattr(args, "fsdp", False):
-        fail("--fsdp-mixed-precision sets the compute dtype of FSDP2's gathered parameters; it needs --fsdp "
-             "(without FSDP use --dtype bfloat16)")
     if getattr(args, "tis", "none") != "none" and args.rollout_backend != "vllm":
         fail(f"--tis {args.tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
              "samples from the trainer itself (use --rollout-backend vllm)")

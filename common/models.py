@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
 import json
 import os
@@ -149,6 +151,58 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
     if n_tokens is not None:
         mask_padded_head(model, n_tokens)
     return model.to(device).train()
+
+
+def autocast_forward(model, dtype: torch.dtype) -> None:
+    """Every forward of `model` runs under torch.autocast(dtype): matrix products in `dtype`, softmax, norms and
+    reductions in float32, while the weights themselves, their gradients and the optimizer state stay float32 (the
+    master weights). An update of 1e-6 on a weight of 0.02 is about a hundredth of a bfloat16 step: stored in
+    bfloat16, the weight would not move at all. The hooks read only their module argument, so a deepcopy of the
+    model (a reference) keeps them and computes the same way."""
+    def enter(module, inputs):
+        ctx = torch.autocast(next(module.parameters()).device.type, dtype=dtype)
+        ctx.__enter__()
+        module.autocast_contexts.append(ctx)
+
+    def leave(module, inputs, output):
+        module.autocast_contexts.pop().__exit__(None, None, None)
+
+    model.autocast_contexts, model.compute_dtype = [], dtype
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)  # also when the forward raises
+
+
+def compute_scope(model):
+    """One autocast region around many forwards of `model` (generation: the weights are cast to the compute dtype
+    once, not at every decoding step); a no-op for a model without `autocast_forward`."""
+    dtype = getattr(model, "compute_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+def load_policy(name: str, args, device: str):
+    """The model a trainer updates, in --dtype's compute precision. float32: plain float32. bfloat16 / float16:
+    float32 master weights computing under autocast (`autocast_forward`; under --fsdp FSDP2's mixed precision does the
+    same, common.dist.shard_models); with --no-master-weights the weights themselves in --dtype, with a warning."""
+    if args.dtype == "float32":
+        return load_model(name, "float32", device)
+    if not args.master_weights:
+        print(f"warning: --no-master-weights: the weights are stored in {args.dtype}, so AdamW updates smaller than "
+              f"half a {args.dtype} step of a weight (about 1/256 of it for bfloat16) are lost; at learning rates "
+              "near 1e-6 most weights never change")
+        return load_model(name, args.dtype, device)
+    model = load_model(name, "float32", device)
+    if not getattr(args, "fsdp", False):
+        autocast_forward(model, getattr(torch, args.dtype))
+    return model
+
+
+def frozen_copy(model, args):
+    """A frozen copy of the policy (the reference model), stored in --dtype: the policy's own numerics (same
+    autocast) in float32, half the memory in bfloat16 / float16, where a frozen model loses nothing."""
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    return ref.to(getattr(torch, args.dtype)) if args.dtype != "float32" else ref
 
 
 def load_score_model(path: str, dtype: str = "float32"):

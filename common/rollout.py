@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common.dist import agree, full_weights, unsharded
+from common.models import compute_scope
 
 
 @dataclass
@@ -186,7 +187,8 @@ class HFEngine:
         model.eval()
         completions, logps = [], []
         per_chunk = max(1, self.max_batch // n)
-        with unsharded(model):  # FSDP: layers gathered once for the whole generation (no-op for a plain model)
+        with unsharded(model), compute_scope(model):  # FSDP: layers gathered once (no-op for a plain model); --dtype
+            # bfloat16 over float32 masters: the weights cast once for the whole generation
             for s in range(0, len(prompt_ids), per_chunk):
                 ids, mask = ids_UL[s : s + per_chunk].to(device), mask_UL[s : s + per_chunk].to(device)
                 sample = self._sample_loop if self.loop else self._generate

@@ -59,7 +59,8 @@ def resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, devic
     trainer state (step, first_eval and what the trainer saved beside them) is returned."""
     if not ckpt:
         return {"step": 0}
-    state = resume(ckpt, model, optimizer, scheduler, sampler, args.dtype, device)
+    stored = str(next(model.parameters()).dtype).removeprefix("torch.")  # float32 master weights under --dtype bf16
+    state = resume(ckpt, model, optimizer, scheduler, sampler, stored, device)
     engine.sync_weights(model)
     return state
 

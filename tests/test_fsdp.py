@@ -170,7 +170,7 @@ SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its 
     "rloo_sec.py": [*TINY],
     "oc_grpo.py": [*TINY, "--levels", "4", "--group-size", "4", "--micro-batch-size", "1"],
     "adakp.py": [*TINY, "--proxy-batch-size", "2", "--correction", "per_token", "--micro-batch-size", "1"],
-    "grpo.py": [*TINY, "--fsdp-mixed-precision", "--beta", "0.05"],
+    "grpo.py": [*TINY, "--dtype", "bfloat16", "--beta", "0.05"],
     "rlpf.py": ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "24", "--tasks", "sum_range",
                 "--eval-samples", "0", "--eval-every", "0", "--timing-repeats", "1", "--fsdp"],
     "direct_opd.py": [*TINY, "--model-name", "WEAK", "--teacher-pre", "WEAK", "--teacher-post", "WEAK"],
@@ -183,7 +183,7 @@ SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its 
 @pytest.mark.parametrize("script", list(SMOKE))
 def test_fsdp_smoke_run_under_torchrun(tmp_path, weak_model_dir, script):
     """2 ranks, --fsdp: 2 steps, metrics logged once, a sharded checkpoint with each rank's shard file and a
-    consolidated model.safetensors. grpo.py also with bf16 compute (--fsdp-mixed-precision) and a sharded
+    consolidated model.safetensors. grpo.py also with bf16 compute (--dtype bfloat16) and a sharded
     reference model; direct_opd.py with its reference and both teachers sharded; oc_grpo.py and adakp.py with work
     that differs between ranks (guidance cascade, hint and entropy-proxy passes), padded; ppo_slm.py (SFT and RM on
     rank 0, then PPO with the policy, reference and reward model sharded) has no checkpoint but its PPO adapter and
@@ -255,15 +255,33 @@ def test_mada_rl_fsdp_smoke_run_saves_adapters_that_reproduce_its_debate(tmp_pat
         assert again[k] == pytest.approx(final[k]), k
 
 
-def test_mixed_precision_without_fsdp_is_refused_before_any_work(tmp_path):
-    import tyro
+BF16_SHARDS = """
+import json, sys, torch, tyro
+import grpo
+from common.dist import shard_models
+from common.models import frozen_copy, load_policy
+args = tyro.cli(grpo.Args, args=["--fsdp", "--dtype", "bfloat16"])
+model = load_policy(sys.argv[1], args, "cpu")
+ref = frozen_copy(model, args)
+model, ref = shard_models(args, model, ref)
+logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+logits.float().sum().backward()
+print(json.dumps({"param": sorted({str(p.dtype) for p in model.parameters()}),
+                  "grad": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+                  "ref": sorted({str(p.dtype) for p in ref.parameters()}), "logits": str(logits.dtype),
+                  "autocast_hooks": hasattr(model, "autocast_contexts")}))
+"""
 
-    import grpo
 
-    args = tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), "--fsdp-mixed-precision"])
-    with pytest.raises(SystemExit, match=r"^error: --fsdp-mixed-precision .* needs --fsdp"):
-        grpo.main(args)
-    assert os.listdir(tmp_path) == []
+def test_fsdp_bfloat16_keeps_float32_sharded_masters_and_computes_in_bfloat16(weak_model_dir):
+    """--fsdp --dtype bfloat16: the sharded parameters and their gradients stay float32 (FSDP2 gathers bfloat16
+    copies for compute, no autocast hooks on top), the frozen reference is stored in bfloat16 (one process)."""
+    r = subprocess.run([sys.executable, "-c", BF16_SHARDS, weak_model_dir], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"param": ["torch.float32"], "grad": ["torch.float32"], "ref": ["torch.bfloat16"],
+                   "logits": "torch.bfloat16", "autocast_hooks": False}, out
 
 
 def test_ppo_slm_fsdp_update_and_rollback_equal_the_plain_path(tmp_path, weak_model_dir):

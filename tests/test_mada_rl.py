@@ -102,6 +102,18 @@ def test_switching_adapters_only_active_gets_gradients(tiny_model_dir):
         assert all(p.grad is None for p in base), "the base model must stay frozen"
 
 
+def test_bfloat16_base_keeps_float32_adapters(tiny_model_dir):
+    """--dtype bfloat16 stores the frozen base in bfloat16; the trained LoRA weights stay float32 (their updates would
+    round away in bfloat16) and still get gradients."""
+    model = mada_rl.make_agents(load_model(tiny_model_dir, "bfloat16"), ["gen0", "critic0"], mada_rl.Args())
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and {p.dtype for p in lora.values()} == {torch.float32}
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    mada_rl.use_adapter(model, "gen0")
+    model(input_ids=torch.randint(3, 200, (2, 6))).logits.float().pow(2).mean().backward()
+    assert any(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.values())
+
+
 def test_switching_adapters_changes_outputs(tiny_model_dir):
     model = mada_rl.make_agents(load_model(tiny_model_dir), ["gen0", "critic0"], mada_rl.Args())
     ids = torch.randint(3, 200, (1, 5))
