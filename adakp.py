@@ -44,7 +44,8 @@ import tyro
 
 from common.args import TrainArgs, check_at_least
 from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
+from common.dist import (agree, all_reduce_grads, all_reduce_mean, global_std, init_distributed, max_over_ranks,
+                         shard_models)
 from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import frozen_copy, load_policy, load_tokenizer
@@ -78,7 +79,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
     # Algorithm
     adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
-    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch"""
+    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch
+    of all ranks"""
     adv_eps: float = 1e-6
     """eps in the advantage denominator (std is the biased, numpy-style one)"""
     clip_low: float = 0.2
@@ -140,13 +142,14 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (rewards_PG.std(unbiased=False) + eps), zero_std_P
+        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
-def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str,
+               mask_BC: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d_BC = logp_BC - ref_logp_BC
+    d_BC = (logp_BC - ref_logp_BC) * mask_BC  # masked before exp(-d): padding (ref log-prob 0) gives 0, not inf
     if estimator == "k1":
         return d_BC
     if estimator == "k2":
@@ -199,12 +202,12 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
-        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator, mask_BC)
         token_loss_BC = pg_BC + args.beta * kl_BC
     agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(token_loss_BC)
     with torch.no_grad():
-        log_ratio_BC = logp_BC - old_logp_BC
+        log_ratio_BC = (logp_BC - old_logp_BC) * mask_BC  # padding: 0, never exp(+large)
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
@@ -310,7 +313,7 @@ def probe_tokens(problem, tokenizer, probe_len: int, cached: list[int] | None = 
 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     check_at_least(args, 0, "budget", "reselect_every", "entropy_top_k")
@@ -404,7 +407,7 @@ def main(args: Args) -> dict:
         # 2. Rewards from the verifier
         with timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems))
+            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
             rewards_B = correct_B.clone()
             if args.format_reward_weight:
                 rewards_B += args.format_reward_weight * torch.tensor(
@@ -515,8 +518,8 @@ def main(args: Args) -> dict:
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
-                            {"first_eval": first_eval, "kp": kp, "probe_cache": probe_cache})
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval},
+                            rank_extra={"kp": kp, "probe_cache": probe_cache})  # each rank's own problems' state
 
     final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir,
                             what="held-out no-hint greedy accuracy")

@@ -69,7 +69,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
@@ -82,7 +81,7 @@ from common.logger import RunLogger, check_run_args, open_checkpoint, sample_row
 from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.testbed import ensure_testbed_teacher_pair
 from common.verifiers import score
 
@@ -213,10 +212,11 @@ def group_advantages(rewards_PG: torch.Tensor, eps: float) -> tuple[torch.Tensor
     return (rewards_PG - mean_P1) / (std_P1 + eps), zero_std_P
 
 
-def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str,
+               mask_BC: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html);
     k3 is clamped to [-10, 10] as veRL's low_var_kl is."""
-    d_BC = logp_BC - ref_logp_BC
+    d_BC = (logp_BC - ref_logp_BC) * mask_BC  # masked before exp(-d): padding (ref log-prob 0) gives 0, not inf
     if estimator == "k1":
         return d_BC
     if estimator == "k2":
@@ -277,10 +277,10 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tok
     pg_BCK, clipped_BCK = topk_clipped_surrogate(logp_BCK, old_logp_BCK, batch["adv_BCK"][rows].to(device),
                                                  args.clip_low, args.clip_high, args.clip_ratio_c)
     pg_BC = pg_BCK.sum(-1)
-    kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+    kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator, mask_BC)
     loss = aggregate(pg_BC + kl_coef * kl_BC, mask_BC, num_tokens)
     with torch.no_grad():
-        log_ratio_BC = logp_BC - batch["old_logp_BC"][rows].to(device)
+        log_ratio_BC = (logp_BC - batch["old_logp_BC"][rows].to(device)) * mask_BC  # padding: 0
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": aggregate(pg_BC, mask_BC, num_tokens).item(),
             "loss/kl": aggregate(kl_BC, mask_BC, num_tokens).item(),
@@ -293,7 +293,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tok
 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
     ckpt = open_checkpoint(args.resume, rank, world)
@@ -343,7 +343,7 @@ def main(args: Args) -> dict:
         # 2. The verifier: logged only (and the outcome term of direct_plus_grpo)
         with timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems))
+            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
 
         mask_BC = rollouts.completion_mask_BC.clone()
         # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference
@@ -400,8 +400,6 @@ def main(args: Args) -> dict:
 
         # TRY NOT TO MODIFY: metrics (grpo.py's names where they mean the same; new ones in the module docstring);
         # loss/* are means over optimizer steps, the other sums are over tokens
-        n_updates = args.num_iterations * args.num_minibatches
-        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         n_valid = max(mask_BC.sum().item(), 1.0)
         return_B = adv_BCK.sum((1, 2))
         metrics = {
@@ -412,8 +410,8 @@ def main(args: Args) -> dict:
             "delta_opd/sampled_logratio": ((post_logp_BC - base_logp_BC) * mask_BC).sum().item() / n_valid,
             "delta_opd/topk_mass": (topk_mass_BC * mask_BC).sum().item() / n_valid,
             "kl/coef": kl_coef_used,
-            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
+            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                             mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         if zero_std_P is not None:

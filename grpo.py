@@ -37,19 +37,18 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import tyro
 
 from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
+from common.dist import all_reduce_grads, all_reduce_mean, global_std, init_distributed, shard_models
 from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.verifiers import format_reward, score
 
 
@@ -73,7 +72,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
     # Algorithm
     adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
-    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch"""
+    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch
+    of all ranks"""
     adv_eps: float = 1e-6
     """eps in the advantage denominator (std is the biased, numpy-style one)"""
     clip_low: float = 0.2
@@ -108,13 +108,14 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (rewards_PG.std(unbiased=False) + eps), zero_std_P
+        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
-def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str,
+               mask_BC: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d_BC = logp_BC - ref_logp_BC
+    d_BC = (logp_BC - ref_logp_BC) * mask_BC  # masked before exp(-d): padding (ref log-prob 0) gives 0, not inf
     if estimator == "k1":
         return d_BC
     if estimator == "k2":
@@ -167,12 +168,12 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
-        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator, mask_BC)
         token_loss_BC = pg_BC + args.beta * kl_BC
     agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(token_loss_BC)
     with torch.no_grad():
-        log_ratio_BC = logp_BC - old_logp_BC
+        log_ratio_BC = (logp_BC - old_logp_BC) * mask_BC  # padding: 0, never exp(+large)
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
@@ -185,7 +186,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)
@@ -217,7 +218,7 @@ def main(args: Args) -> dict:
         # 2. Rewards from the verifier
         with timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems))
+            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
             rewards_B = correct_B.clone()
             if args.format_reward_weight:
                 rewards_B += args.format_reward_weight * torch.tensor(
@@ -265,14 +266,12 @@ def main(args: Args) -> dict:
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
         # other sums are over tokens
-        n_updates = args.num_iterations * args.num_minibatches
-        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
+            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                             mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         metrics = all_reduce_mean(metrics)

@@ -200,7 +200,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(pg_BC)
     with torch.no_grad():
-        log_ratio_BC = logp_BC - old_logp_BC
+        log_ratio_BC = (logp_BC - old_logp_BC) * mask_BC  # padding: 0, never exp(+large)
         stats = {
             "loss/policy": loss.item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
@@ -342,7 +342,8 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         # 2. Rewards: R = 2 R_acc + R_len, the length term normalised within each group
         with timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_PG = torch.tensor(score(rollouts.texts, group_problems)).view(-1, args.group_size)
+            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut at the cap: 0
+            correct_PG = correct_B.view(-1, args.group_size)
             len_PG = length_reward(correct_PG, rollouts.lengths_B.view(-1, args.group_size))
             rewards_PG = args.acc_weight * correct_PG + len_PG
 
@@ -444,7 +445,7 @@ def load_run_agents(run_dir: str, args: Args, device: str):
 
 def main(args: Args) -> dict:
     # setup: flags checked before any work, seeding and the run folder (common/run.py), data, agents
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     if args.resume or args.save_every:
         fail(f"--{'resume' if args.resume else 'save-every'}: mada_rl.py writes no checkpoints (its three stages are "
              "short; rerun the script, or --eval-debate RUN_DIR for the debate of a finished run)")

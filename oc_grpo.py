@@ -57,13 +57,14 @@ import tyro
 
 from common.args import TrainArgs
 from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import agree, all_reduce_grads, all_reduce_mean, init_distributed, max_over_ranks, shard_models
+from common.dist import (agree, all_reduce_grads, all_reduce_mean, global_std, init_distributed, max_over_ranks,
+                         shard_models)
 from common.evaluate import evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, weight_metrics)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, weight_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
 
@@ -85,7 +86,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
     # Algorithm
     adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
-    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch"""
+    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch
+    of all ranks"""
     adv_eps: float = 1e-6
     """eps in the advantage denominator (std is the biased, numpy-style one)"""
     clip_low: float = 0.2
@@ -135,13 +137,14 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (rewards_PG.std(unbiased=False) + eps), zero_std_P
+        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
-def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str,
+               mask_BC: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d_BC = logp_BC - ref_logp_BC
+    d_BC = (logp_BC - ref_logp_BC) * mask_BC  # masked before exp(-d): padding (ref log-prob 0) gives 0, not inf
     if estimator == "k1":
         return d_BC
     if estimator == "k2":
@@ -227,12 +230,12 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
-        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator, mask_BC)
         token_loss_BC = pg_BC + args.beta * kl_BC
     agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(token_loss_BC)
     with torch.no_grad():
-        log_ratio_BC = logp_BC - old_logp_BC
+        log_ratio_BC = (logp_BC - old_logp_BC) * mask_BC  # padding: 0, never exp(+large)
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
@@ -273,7 +276,7 @@ def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int,
         out = engine.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens)
         tokens, seconds = tokens + out.lengths_B.sum().item(), seconds + time.time() - t0
-        correct = score(out.texts, [problems[i] for i in pending for _ in range(n)])
+        correct = score(out.texts, [problems[i] for i in pending for _ in range(n)], out.truncated_B)
         completions = split_completions(out)
         for k, i in enumerate(pending):
             if any(correct[k * n : (k + 1) * n]):
@@ -304,7 +307,7 @@ def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     if not args.prefix_fractions or not all(0 <= f <= 1 for f in args.prefix_fractions):
@@ -356,7 +359,7 @@ def main(args: Args) -> dict:
         # 2. Rewards from the verifier
         with timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct = score(sampled.texts, group_problems)
+            correct = score(sampled.texts, group_problems, sampled.truncated_B)  # cut at the cap: 0
             unguided_B = torch.tensor([f is None for f in fracs]).repeat_interleave(G)
             first_correct_B = torch.tensor(correct)
 
@@ -433,15 +436,13 @@ def main(args: Args) -> dict:
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
         # other sums are over tokens
-        n_updates = args.num_iterations * args.num_minibatches
-        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         gen_tokens = sampled.lengths_B.sum().item() + guide_tokens  # the cascade's included
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": first_correct_B[unguided_B].float().mean().item() if unguided_B.any() else 0.0,
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
+            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                             mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device, gen_tokens),
         }
         # guidance and importance-weight statistics (weights over guided tokens; 1, 1, 0 when no row is guided)

@@ -49,7 +49,7 @@ import tyro
 from common.args import ExperimentArgs
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
                          local_part, shard_models)
-from common.logger import RunLogger, sample_rows
+from common.logger import RunLogger, check_sampling_args, sample_rows
 from common.models import add_lora, load_model, load_score_model, load_tokenizer, resolve_model
 from common.preference import build_pairs, pair_accuracy, supervised_stages
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores
@@ -260,7 +260,7 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
     vf_BC = 0.5 * torch.maximum((values_BC - ret_BC) ** 2, (v_clipped_BC - ret_BC) ** 2)
     pg_loss, vf_loss = (pg_BC * mask_BC).sum() / n_tok, (vf_BC * mask_BC).sum() / n_tok
     with torch.no_grad():
-        log_ratio = logp_BC - b["old_logp_BC"]
+        log_ratio = (logp_BC - b["old_logp_BC"]) * mask_BC  # padding: 0, never exp(+large)
         stats = {"ratio_sum": (ratio_BC * mask_BC).sum().item(),
                  "max_ratio": (ratio_BC * mask_BC).max().item(),
                  "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(),
@@ -319,7 +319,8 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 (common/preference.py)
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
+    check_sampling_args(args)
     if args.num_prompts % args.minibatch_size:
         raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
                          f"{args.minibatch_size}")

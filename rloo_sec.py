@@ -53,7 +53,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 import tyro
 
@@ -65,7 +64,7 @@ from common.logger import RunLogger, check_run_args, open_checkpoint, sample_row
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed)
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.verifiers import format_reward, score
 
 
@@ -172,7 +171,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(pg_BC)
     with torch.no_grad():
-        log_ratio_BC = logp_BC - old_logp_BC
+        log_ratio_BC = (logp_BC - old_logp_BC) * mask_BC  # padding: 0, never exp(+large)
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": loss.item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
@@ -283,7 +282,7 @@ def make_curriculum(problems: list, args: Args, seed: int) -> Curriculum:
 
 def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)
@@ -318,7 +317,7 @@ def main(args: Args) -> dict:
         # 2. Rewards from the verifier
         with timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems))
+            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
             rewards_B = correct_B.clone()
             if args.format_reward_weight:
                 rewards_B += args.format_reward_weight * torch.tensor(
@@ -385,15 +384,13 @@ def main(args: Args) -> dict:
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
         # other sums are over tokens
-        n_updates = args.num_iterations * args.num_minibatches
-        n_tok = max(mask_BC.sum().item() * args.num_iterations, 1.0)
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **{k: v / (n_updates if k.startswith("loss/") else n_tok) for k, v in sums.items()},
+            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                             mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
             "loss/kl": seq_kl_B.mean().item(),
-            "optim/grad_norm": float(np.mean(grad_norms)), "optim/lr": lr,
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         for c, name in enumerate(sampler.names):  # SEC: where the bandit puts its mass, and what each arm returns

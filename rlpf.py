@@ -46,7 +46,7 @@ from common import sandbox
 from common.args import RunArgs
 from common.code_tasks import CODE_MODEL, ensure_code_model, extract_program, judge, render_code_prompt, select_tasks
 from common.data import PromptSampler, encode_prompts
-from common.dist import all_reduce_grads, all_reduce_mean, init_distributed, shard_models
+from common.dist import all_reduce_grads, all_reduce_mean, global_std, init_distributed, shard_models
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
@@ -116,7 +116,8 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
 
     # Algorithm
     adv_norm: Literal["group_std", "group_mean", "batch_std"] = "group_std"
-    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch"""
+    """group_std: (r - mean_G) / (std_G + eps); group_mean: r - mean_G (Dr. GRPO); batch_std: / std over the batch
+    of all ranks"""
     adv_eps: float = 1e-4
     """eps in the advantage denominator (std is the biased, numpy-style one); 1e-4 keeps timing jitter in
     near-constant groups from being blown up into full-size advantages"""
@@ -225,13 +226,14 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (rewards_PG.std(unbiased=False) + eps), zero_std_P
+        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
-def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logp_BC: torch.Tensor, ref_logp_BC: torch.Tensor, estimator: str,
+               mask_BC: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate on sampled tokens (http://joschu.net/blog/kl-approx.html)."""
-    d_BC = logp_BC - ref_logp_BC
+    d_BC = (logp_BC - ref_logp_BC) * mask_BC  # masked before exp(-d): padding (ref log-prob 0) gives 0, not inf
     if estimator == "k1":
         return d_BC
     if estimator == "k2":
@@ -283,12 +285,12 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
-        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator)
+        kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator, mask_BC)
         token_loss_BC = pg_BC + args.beta * kl_BC
     agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(token_loss_BC)
     with torch.no_grad():
-        log_ratio_BC = logp_BC - old_logp_BC
+        log_ratio_BC = (logp_BC - old_logp_BC) * mask_BC  # padding: 0, never exp(+large)
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": agg(pg_BC).item(), "loss/kl": agg(kl_BC).item(),
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
@@ -383,7 +385,7 @@ def main(args: Args) -> dict:
     if args.score_file:
         return score_file(args)
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, optimizer, resume)
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)

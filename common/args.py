@@ -34,6 +34,9 @@ class ExperimentArgs:
     """also write the step's sample rollouts every N steps (0: only at evaluation steps and the last step)"""
     device: str = "cpu"
     """torch device ('cpu', 'cuda')"""
+    dist_timeout_minutes: float = 180.0
+    """under torchrun: how long a rank waits for the others in a collective before the job fails (NCCL's own default,
+    10 minutes, is shorter than the stages rank 0 runs alone, e.g. ppo_slm.py's SFT and reward model)"""
 
 
 @dataclass

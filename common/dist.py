@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import os
 
 import torch
@@ -28,8 +29,10 @@ BUCKET_BYTES = 25 * 2**20
 """plain data parallel: gradients are all-reduced in flat buckets of at most this many bytes"""
 
 
-def init_distributed(device: str) -> tuple[int, int, str]:
-    """(rank, world_size, device). Single process when not launched by torchrun."""
+def init_distributed(device: str, timeout_minutes: float = 180.0) -> tuple[int, int, str]:
+    """(rank, world_size, device). Single process when not launched by torchrun. `timeout_minutes`: how long a rank
+    waits in a collective for the others (NCCL's default is 10 minutes, shorter than ppo_slm.py's SFT and reward
+    model stages, which rank 0 trains while the others wait)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, device
@@ -38,7 +41,8 @@ def init_distributed(device: str) -> tuple[int, int, str]:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
         atexit.register(_close_process_group)
     return rank, world, device
 
@@ -83,11 +87,11 @@ def _reduce_bucket(grads: list[torch.Tensor]) -> None:
 def all_reduce_grads(model, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum gradients over ranks; the loss was already divided by the global normaliser. Gradients go in buckets of
     at most `bucket_bytes` (one of the same dtype, in parameter order), so the extra memory is one bucket, not a
-    copy of every gradient. Nothing to do under FSDP: its backward already reduce-scattered the summed gradients."""
+    copy of every gradient; only trainable parameters' (a LoRA trainer's other adapters are frozen). Nothing to do under FSDP: its backward already reduce-scattered the summed gradients."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or is_sharded(model):
         return
     bucket, size = [], 0
-    for g in (p.grad for p in model.parameters() if p.grad is not None):
+    for g in (p.grad for p in model.parameters() if p.grad is not None and p.requires_grad):
         nbytes = g.numel() * g.element_size()
         if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype):
             _reduce_bucket(bucket)
@@ -96,6 +100,18 @@ def all_reduce_grads(model, bucket_bytes: int = BUCKET_BYTES) -> None:
         size += nbytes
     if bucket:
         _reduce_bucket(bucket)
+
+
+def global_std(x: torch.Tensor) -> torch.Tensor:
+    """The (biased) standard deviation of `x` pooled over every rank's `x`: what one process holding the union batch
+    computes (`x.std(unbiased=False)` on one process).
+
+    >>> global_std(torch.tensor([1., 3.]))
+    tensor(1.)
+    """
+    moments = all_reduce_sum(torch.stack([torch.tensor(float(x.numel())), x.double().sum(), x.double().pow(2).sum()]))
+    n = moments[0].clamp(min=1)
+    return ((moments[2] / n - (moments[1] / n) ** 2).clamp(min=0).sqrt()).to(x.dtype)
 
 
 def all_reduce_mean(metrics: dict) -> dict:

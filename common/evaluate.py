@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from math import comb
 
+import torch
+
 from common.data import encode_prompts, render_prompt
+from common.dist import all_reduce_sum, rank_world
 from common.logger import sample_rows
 from common.verifiers import score
 
@@ -22,33 +24,50 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0,
-             temperature: float = 1.0, pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0) -> dict:
-    """eval/greedy_accuracy (and per level), eval/sampled_accuracy and eval/pass_at_k when num_samples > 0; with
-    log_samples > 0 also 'samples/eval': that many greedy answers as text (common.logger.sample_rows)."""
+             temperature: float = 1.0, pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0,
+             top_p: float = 1.0) -> dict:
+    """eval/greedy_accuracy (and per level), eval/sampled_accuracy and eval/pass_at_k when num_samples > 0 (sampled
+    at `temperature` and `top_p`, as in training); with log_samples > 0 also 'samples/eval': that many greedy answers
+    as text (common.logger.sample_rows). A completion cut at max_new_tokens scores 0.
+
+    Under torchrun each rank answers its share, problems[rank::world], and the counts are summed over ranks, so every
+    rank returns the figures of all `problems` (8 ranks evaluate about 8x faster). A rank with no share generates for
+    one problem that is not counted: under --fsdp every generation is a collective."""
     if not problems:
         return {}
-    prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], max_prompt_tokens)
+    rank, world = rank_world()
+    share = problems[rank::world]
+    counted, share = len(share), share or problems[:1]
+    prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in share], max_prompt_tokens)
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
-    correct = score(greedy.texts, problems)
-    out = {"eval/greedy_accuracy": sum(correct) / len(correct)}
-    if log_samples > 0:
-        out["samples/eval"] = sample_rows(tokenizer, greedy, problems, log_samples, correct=correct)
-    by_level = defaultdict(list)
-    for p, c in zip(problems, correct):
-        by_level[p.level].append(c)
-    if len(by_level) > 1:
-        out.update({f"eval/greedy_accuracy/level_{lv}": sum(v) / len(v) for lv, v in sorted(by_level.items())})
+    correct = score(greedy.texts, share, greedy.truncated_B)[:counted]
+    levels = sorted({p.level for p in problems})
+    sums = [sum(correct), counted]  # greedy: correct, problems; then the same per level; then sampled, pass@k
+    for lv in levels:
+        mine = [c for p, c in zip(share, correct) if p.level == lv]
+        sums += [sum(mine), len(mine)]
     if num_samples > 0:
-        sampled = engine.generate(prompt_ids, n=num_samples, temperature=temperature, max_new_tokens=max_new_tokens)
-        c = score(sampled.texts, [p for p in problems for _ in range(num_samples)])
-        per_problem = [sum(c[i * num_samples : (i + 1) * num_samples]) for i in range(len(problems))]
+        sampled = engine.generate(prompt_ids, n=num_samples, temperature=temperature, top_p=top_p,
+                                  max_new_tokens=max_new_tokens)
+        c = score(sampled.texts, [p for p in share for _ in range(num_samples)], sampled.truncated_B)
+        per_problem = [sum(c[i * num_samples : (i + 1) * num_samples]) for i in range(counted)]
         k = min(pass_k or num_samples, num_samples)
-        out["eval/sampled_accuracy"] = sum(c) / len(c)
-        out["eval/pass_at_k"] = sum(pass_at_k(num_samples, int(x), k) for x in per_problem) / len(problems)
+        sums += [sum(per_problem), counted * num_samples, sum(pass_at_k(num_samples, int(x), k) for x in per_problem)]
+    total = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()
+    out = {"eval/greedy_accuracy": total[0] / total[1]}
+    if len(levels) > 1:
+        out.update({f"eval/greedy_accuracy/level_{lv}": total[2 + 2 * i] / max(total[3 + 2 * i], 1)
+                    for i, lv in enumerate(levels)})
+    if num_samples > 0:
+        n_samples = total[-2]
+        out["eval/sampled_accuracy"] = total[-3] / n_samples
+        out["eval/pass_at_k"] = total[-1] / (n_samples / num_samples)
+    if log_samples > 0 and counted:
+        out["samples/eval"] = sample_rows(tokenizer, greedy, share[:counted], log_samples, correct=correct)
     return out
 
 
 def evaluator(engine, tokenizer, problems: list, args):
     """A trainer's `run_eval()`: `evaluate` on the held-out problems with the run's sampling and evaluation flags."""
     return lambda: evaluate(engine, tokenizer, problems, args.max_new_tokens, args.eval_samples, args.temperature,
-                            args.eval_pass_k, args.max_prompt_tokens, args.log_samples)
+                            args.eval_pass_k, args.max_prompt_tokens, args.log_samples, args.top_p)

@@ -229,8 +229,21 @@ def fail(msg: str):
     raise SystemExit(f"error: {msg}")
 
 
+def check_sampling_args(args) -> None:
+    """Sampling flags that would fail deep inside torch: a one-line error instead. Greedy decoding is what the
+    evaluation does; a training sampler needs a temperature above 0 (its log-probs are divided by it)."""
+    if not args.temperature > 0:
+        fail(f"--temperature {args.temperature} must be above 0 (log-probs are computed at the sampling temperature; "
+             "greedy answers are what the evaluation reports)")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top-p {args.top_p} must be in (0, 1] (1 keeps the sampler exactly on-policy)")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+
+
 def check_run_args(args, min_group_size: int = 2) -> None:
     """Flags that contradict each other, shared by the group-sampling trainers: a one-line error before any work."""
+    check_sampling_args(args)
     batch = args.num_prompts * args.group_size
     for name in ("num_prompts", "group_size", "num_iterations", "num_minibatches", "micro_batch_size"):
         if getattr(args, name) < 1:
@@ -264,12 +277,14 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, sampler,
-                    extra: dict | None = None) -> str | None:
+                    extra: dict | None = None, rank_extra: dict | None = None) -> str | None:
     """Called by every rank. Rank 0 writes run_dir/checkpoint atomically (a crash mid-write leaves the previous
-    one intact), with each rank's RNG states and sampler gathered into rank{r}_state.pt."""
+    one intact), with each rank's RNG states, sampler and `rank_extra` (a trainer's per-rank state, e.g. adakp's
+    knowledge-point selections) gathered into rank{r}_state.pt; `extra` (the same on every rank) goes to
+    trainer_state.pt. `resume` returns both."""
     from common.dist import is_sharded
 
-    own = {"rng": rng_state(), "sampler": sampler.state_dict()}
+    own = {"rng": rng_state(), "sampler": sampler.state_dict(), **(rank_extra or {})}
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     owns = [own] if world == 1 else [None] * world
     sharded, rank = is_sharded(model), dist.get_rank() if world > 1 else 0
@@ -439,7 +454,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
     if ckpt["rank"] == 0:
         truncate_metrics(ckpt["run_dir"], state["step"])
         print(f"resumed {ckpt['run_dir']} from step {state['step']}{note}")
-    return state
+    return {**state, **{k: v for k, v in own.items() if k not in ("rng", "sampler", "saved_world")}}
 
 
 def truncate_metrics(run_dir: str, last_step: int) -> None:

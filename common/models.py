@@ -254,11 +254,14 @@ def adapter_params(model, name: str) -> dict:
 
 
 def use_adapter(model, name: str) -> None:
-    """Make adapter `name` the active one (generation and forward use it) and its tensors the only trainable ones."""
+    """Make adapter `name` the active one (generation and forward use it) and its tensors the only trainable ones;
+    the other adapters' gradients are dropped (left in place, data parallel would keep all-reducing them)."""
     model.set_adapter(name)
     mine = set(adapter_params(model, name))
     for n, p in model.named_parameters():
         p.requires_grad_(n in mine)
+        if n not in mine:
+            p.grad = None
 
 
 def load_adapters(base, adapter_dir: str, names: list[str]):

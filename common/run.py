@@ -99,9 +99,15 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
 
 
 def update_metrics(sums: dict, grad_norms: list[float], lr: float, n_updates: int, n_tok: float) -> dict:
-    """The update's statistics: the loss/* sums as means over its n_updates optimizer steps, the other sums (per-token
-    statistics) divided by the n_tok tokens they were summed over, optim/grad_norm (mean over steps) and optim/lr."""
-    return {**{k: v / (n_updates if k.startswith("loss/") else max(n_tok, 1.0)) for k, v in sums.items()},
+    """The update's statistics, for the union batch of all ranks: the loss/* sums (each rank's share of the loss, its
+    normalisers being global) summed over ranks as means over its n_updates optimizer steps, the other sums (per-token
+    statistics) summed over ranks and divided by all ranks' n_tok tokens, optim/grad_norm (mean over steps) and
+    optim/lr. On one process: the sums as they are."""
+    keys = sorted(sums)
+    total = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(n_tok)], dtype=torch.float64))
+    n_tok = total[-1].item()
+    return {**{k: total[i].item() / (n_updates if k.startswith("loss/") else max(n_tok, 1.0))
+               for i, k in enumerate(keys)},
             "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": lr}
 
 

@@ -189,9 +189,15 @@ def format_reward(completion: str, task: str) -> float:
     return float(last_boxed(completion) is not None)
 
 
-def score(completions: list[str], problems: list, timeout: float = 5.0) -> list[float]:
-    """Correctness reward for each (completion, problem) pair, dispatched on `problem.task`."""
+def score(completions: list[str], problems: list, truncated=None, timeout: float = 5.0) -> list[float]:
+    """Correctness reward for each (completion, problem) pair, dispatched on `problem.task`; 0 where `truncated` (a
+    completion cut at --max-new-tokens, per row: a rollout's truncated_B) is true, whatever it says before the cut."""
     rewards = [0.0] * len(completions)
+    if truncated is not None:
+        keep = [i for i, t in enumerate(truncated) if not bool(t)]
+        for i, r in zip(keep, score([completions[i] for i in keep], [problems[i] for i in keep], timeout=timeout)):
+            rewards[i] = r
+        return rewards
     math_idx = [i for i, p in enumerate(problems) if p.task != "testbed"]
     for i, p in enumerate(problems):
         if p.task == "testbed":

@@ -334,3 +334,24 @@ if rank == 0:
     assert r.returncode == 0, _failure(r)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"initialized_at_exit": False}
+
+
+def test_two_ranks_share_the_evaluation_and_sum_losses_and_statistics(tmp_path, weak_model_dir):
+    """Under torchrun each rank evaluates half of the held-out problems (greedy and sampled) and both get the whole
+    set's accuracy, equal to one process's greedy pass; loss/* metrics are the union batch's (each rank's share
+    summed, not averaged), per-token statistics are divided by all ranks' tokens, and --adv-norm batch_std's std
+    pools the ranks' rewards (tests/dist_metrics_check.py)."""
+    out = tmp_path / "dist.json"
+    r = _torchrun("tests/dist_metrics_check.py", weak_model_dir, str(out))
+    assert r.returncode == 0, _failure(r)
+    ranks = [json.loads((tmp_path / f"dist.json.rank{k}").read_text()) for k in (0, 1)]
+    for got in ranks:
+        assert got["asked"] == [7, 7]  # its share of 14, once greedy and once sampled: not all 14
+        assert got["eval"]["eval/greedy_accuracy"] == pytest.approx(got["want_greedy"])
+        for lv, acc in got["want_levels"].items():
+            assert got["eval"][f"eval/greedy_accuracy/level_{lv}"] == pytest.approx(acc), lv
+        assert 0 <= got["eval"]["eval/sampled_accuracy"] <= got["eval"]["eval/pass_at_k"] <= 1
+        assert got["metrics"]["loss/policy"] == pytest.approx((1 + 2) / 2)  # shares 1 and 2 summed, over 2 steps
+        assert got["metrics"]["policy/entropy"] == pytest.approx((10 + 20) / (1 + 2))
+        assert got["std"] == pytest.approx(torch.tensor([1.0, 2, 3, 4, 5]).std(unbiased=False).item())
+    assert ranks[0]["eval"] == ranks[1]["eval"]

@@ -102,6 +102,18 @@ def test_switching_adapters_only_active_gets_gradients(tiny_model_dir):
         assert all(p.grad is None for p in base), "the base model must stay frozen"
 
 
+def test_switching_adapters_drops_the_previous_adapters_gradients(tiny_model_dir):
+    """After gen0 trained, its gradients are gone once gen1 is active: nothing stale for data parallel's all-reduce
+    to sum again (it summed them on every later step, growing them by the world size each time)."""
+    gens = ["gen0", "gen1"]
+    model = mada_rl.make_agents(load_model(tiny_model_dir), gens, mada_rl.Args())
+    mada_rl.use_adapter(model, "gen0")
+    model(input_ids=torch.randint(3, 200, (2, 6))).logits.float().pow(2).mean().backward()
+    assert any(p.grad is not None for p in mada_rl.adapter_params(model, "gen0").values())
+    mada_rl.use_adapter(model, "gen1")
+    assert all(p.grad is None for p in mada_rl.adapter_params(model, "gen0").values())
+
+
 def test_bfloat16_base_keeps_float32_adapters(tiny_model_dir):
     """--dtype bfloat16 stores the frozen base in bfloat16; the trained LoRA weights stay float32 (their updates would
     round away in bfloat16) and still get gradients."""

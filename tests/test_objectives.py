@@ -35,13 +35,30 @@ def test_mean_only_and_batch_std_advantages():
 
 
 def test_kl_estimators_match_formulas():
-    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    logp, ref, ones = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]), torch.ones(2)
     d = logp - ref  # 0.5, -1.0
-    assert torch.allclose(grpo.kl_penalty(logp, ref, "k1"), torch.tensor([0.5, -1.0]))
-    assert torch.allclose(grpo.kl_penalty(logp, ref, "k2"), torch.tensor([0.125, 0.5]))
+    assert torch.allclose(grpo.kl_penalty(logp, ref, "k1", ones), torch.tensor([0.5, -1.0]))
+    assert torch.allclose(grpo.kl_penalty(logp, ref, "k2", ones), torch.tensor([0.125, 0.5]))
     k3 = torch.tensor([math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1.0])
-    assert torch.allclose(grpo.kl_penalty(logp, ref, "k3"), k3)
-    assert torch.all(grpo.kl_penalty(logp, ref, "k3") >= 0) and torch.allclose(d, grpo.kl_penalty(logp, ref, "k1"))
+    assert torch.allclose(grpo.kl_penalty(logp, ref, "k3", ones), k3)
+    assert torch.all(grpo.kl_penalty(logp, ref, "k3", ones) >= 0)
+    assert torch.allclose(d, grpo.kl_penalty(logp, ref, "k1", ones))
+
+
+@pytest.mark.parametrize("module", ["grpo", "oc_grpo", "adakp", "rlpf", "direct_opd"])
+def test_k3_kl_is_finite_at_padding(module):
+    """A padded position: the reference log-prob is 0 there (batched_logprobs masks it) and the policy's log-prob of
+    the pad token can be -100, so exp(-d) overflows; masked before the exponential it is 0, and so is its gradient."""
+    import importlib
+
+    trainer = importlib.import_module(module)
+    logp = torch.tensor([[-1.0, -100.0]], requires_grad=True)
+    ref, mask = torch.tensor([[-1.5, 0.0]]), torch.tensor([[1.0, 0.0]])
+    kl = trainer.kl_penalty(logp, ref, "k3", mask)
+    assert torch.isfinite(kl).all() and kl[0, 1] == 0
+    assert kl[0, 0].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    (kl * mask).sum().backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0
 
 
 def test_clipped_surrogate_uses_separate_low_and_high_clip():
@@ -176,9 +193,10 @@ def test_group_advantages_agree():
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_penalty_agrees_except_direct_opds_k3_clamp(estimator):
     _, logp, _, ref, _, _ = _inputs()
-    want = grpo.kl_penalty(logp, ref, estimator)
-    assert torch.equal(oc_grpo.kl_penalty(logp, ref, estimator), want)
-    got = direct_opd.kl_penalty(logp, ref, estimator)
+    mask = torch.ones_like(logp)
+    want = grpo.kl_penalty(logp, ref, estimator, mask)
+    assert torch.equal(oc_grpo.kl_penalty(logp, ref, estimator, mask), want)
+    got = direct_opd.kl_penalty(logp, ref, estimator, mask)
     if estimator != "k3":
         assert torch.equal(got, want)
     else:  # marked: clamped to [-10, 10], and equal wherever the estimate is inside that range

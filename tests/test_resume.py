@@ -78,6 +78,26 @@ def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_di
     assert _next_draws(script, own[0], 0) != _next_draws(script, own[1], 1)
 
 
+def test_adakp_torchrun_resume_restores_each_ranks_knowledge_point_state(tmp_path, weak_model_dir):
+    """adakp.py on 2 processes: each rank keeps the KP selections, budgets and probe cache of the problems it drew,
+    saved in its own rank file; killed after step 2 and resumed, steps 3-4 log what an uninterrupted run logs."""
+    flags = ["--num-train-problems", "4", "--reselect-every", "1", "--probe", "rollout"]
+    straight = _torchrun("adakp.py", tmp_path, *flags, "--run-name", "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _torchrun("adakp.py", tmp_path, *flags, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
+    assert killed.returncode != 0
+    run_dir = tmp_path / "killed"
+    own = [torch.load(run_dir / "checkpoint" / f"rank{r}_state.pt", weights_only=False) for r in (0, 1)]
+    assert "kp" in own[0] and "kp" in own[1] and "probe_cache" in own[1]
+    assert "kp" not in torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
+    resumed = _torchrun("adakp.py", tmp_path, *flags, "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
+    for s in (3, 4):
+        for key in [k for k in ref[s] if k.startswith(("reward/", "kp/", "rollout/completion_len"))]:
+            assert got[s][key] == ref[s][key], (s, key)
+
+
 @pytest.mark.parametrize("trainer", ["grpo", "rloo_sec"])  # rloo_sec: a curriculum sampler with its own generator
 def test_a_different_world_size_resumes_with_new_streams(tmp_path, tiny_model_dir, capsys, trainer):
     """A checkpoint written by 2 processes resumes on 1 (FSDP2 shards in test_fsdp.py): weights, optimizer and
@@ -222,6 +242,10 @@ CONTRADICTIONS = [  # (trainer, flags, message); the model does not exist: the f
     ("oc_grpo", ["--num-minibatches", "3"], r"--num-minibatches 3 does not divide"),
     ("direct_opd", ["--reward", "direct_plus_grpo", "--group-size", "1"], r"--group-size 1 must be at least 2"),
     ("direct_opd", ["--num-minibatches", "3"], r"--num-minibatches 3 does not divide"),
+    ("grpo", ["--temperature", "0"], r"--temperature 0.0 must be above 0"),
+    ("rloo_sec", ["--top-p", "0"], r"--top-p 0.0 must be in \(0, 1\]"),
+    ("oc_grpo", ["--max-new-tokens", "0"], r"--max-new-tokens 0 must be at least 1"),
+    ("direct_opd", ["--temperature", "-1"], r"--temperature -1.0 must be above 0"),
 ]
 
 
