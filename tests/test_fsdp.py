@@ -355,3 +355,30 @@ def test_two_ranks_share_the_evaluation_and_sum_losses_and_statistics(tmp_path, 
         assert got["metrics"]["policy/entropy"] == pytest.approx((10 + 20) / (1 + 2))
         assert got["std"] == pytest.approx(torch.tensor([1.0, 2, 3, 4, 5]).std(unbiased=False).item())
     assert ranks[0]["eval"] == ranks[1]["eval"]
+
+
+SLOW_RANK = """
+import sys, time, torch.distributed as dist
+from common.dist import init_distributed
+rank, world, _ = init_distributed("cpu", timeout_minutes=float(sys.argv[1]))
+if rank == 0:
+    time.sleep(8)  # rank 0 works alone (ppo_slm.py's SFT and reward model), the other waits at a collective
+dist.barrier()
+print("both ranks passed the barrier")
+"""
+
+
+def test_the_process_group_timeout_is_the_flags(tmp_path):
+    """init_distributed passes --dist-timeout-minutes to the process group: with 3 s, the rank that waits while the
+    other works 8 s fails at the barrier; the trainers' default waits hours (NCCL's own default is 10 minutes)."""
+    import grpo
+    import ppo_slm
+
+    script = tmp_path / "slow_rank.py"
+    script.write_text(SLOW_RANK)
+    r = _torchrun(str(script), "0.05", env={"PYTHONPATH": ROOT}, timeout=120)
+    assert r.returncode != 0 and "both ranks passed" not in r.stdout
+    assert "timed out" in r.stderr.lower() or "timeout" in r.stderr.lower(), r.stderr[-2000:]
+    ok = _torchrun(str(script), "1", env={"PYTHONPATH": ROOT}, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.count("both ranks passed") == 2, _failure(ok)
+    assert grpo.Args().dist_timeout_minutes >= 60 and ppo_slm.Args().dist_timeout_minutes >= 60
