@@ -331,7 +331,7 @@ def main(args: Args) -> dict:
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+    engine = make_engine(args, model, tokenizer, args.seed + rank)
     if args.kp_mode != "none" and not any(p.hints for p in train_problems):
         raise SystemExit(f"error: --kp-mode {args.kp_mode}: no training problem has knowledge points "
                          "(a 'kp_list' field in the data, or the testbed's hints)")

@@ -314,7 +314,7 @@ def main(args: Args) -> dict:
     model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_problems, args.seed + rank)
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+    engine = make_engine(args, model, tokenizer, args.seed + rank)
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     kl_coef = state.get("kl_coef", args.kl_coef)
     logger = RunLogger(args, run_dir, enabled=rank == 0)

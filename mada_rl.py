@@ -473,7 +473,7 @@ def main(args: Args) -> dict:
             model = make_agents(load_model(args.model_name, args.dtype, device), generators + critics, args)
     (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
     tokenizer = load_tokenizer(args.model_name)
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank)
+    engine = make_engine(args, model, tokenizer, args.seed + rank)
 
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer
         answers = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics, args.debate_rounds,

@@ -321,7 +321,7 @@ def main(args: Args) -> dict:
     ref_model = frozen_copy(model, args) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+    engine = make_engine(args, model, tokenizer, args.seed + rank)
     if not any(p.solution for p in train_problems):
         raise SystemExit("error: no training problem has a reference solution, so there is nothing to guide with; "
                          "name the field with --solution-field")

@@ -294,7 +294,7 @@ def main(args: Args) -> dict:
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = make_curriculum(train_problems, args, args.seed + rank)
     train_levels = sorted({p.level for p in train_problems})
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+    engine = make_engine(args, model, tokenizer, args.seed + rank)
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 

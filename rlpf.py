@@ -399,7 +399,7 @@ def main(args: Args) -> dict:
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_tasks, args.seed + rank)
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed + rank, args.vllm_gpu_memory_utilization)
+    engine = make_engine(args, model, tokenizer, args.seed + rank)
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
     logger = RunLogger(args, run_dir, enabled=rank == 0)
 

@@ -30,7 +30,7 @@ import adakp  # noqa: E402
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
 from common.logger import read_metrics  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import attach, completion_logprobs, make_engine  # noqa: E402
+from common.rollout import HFEngine, attach, completion_logprobs  # noqa: E402
 from common.verifiers import score  # noqa: E402
 
 ARMS = ["adakp", "static", "random", "all", "none"]
@@ -87,7 +87,7 @@ def spearman(x, y) -> float:
 def proxy_check(bench: Bench) -> dict:
     tok = load_tokenizer(bench.model_name)
     model = load_model(bench.model_name, "float32", "cpu")
-    engine = make_engine("hf", model, tok, 0, 0.3)
+    engine = HFEngine(model, tok)
     torch.manual_seed(0)
     problems = load_problems("testbed", "train", (bench.level,), bench.proxy_problems, 0)
     # scores: for each problem, S = {} and {k} for every k, all problems' contexts in one batched forward

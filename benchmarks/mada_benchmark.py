@@ -46,7 +46,7 @@ def run_seed(args: mada_rl.Args, out_dir: str) -> dict:
     base_params = sum(p.numel() for p in base.parameters())
     model = mada_rl.make_agents(base, gens + critics + ablated, args)
     per_agent = sum(p.numel() for p in mada_rl.adapter_params(model, gens[0]).values())
-    engine = make_engine(args.rollout_backend, model, tokenizer, args.seed)
+    engine = make_engine(args, model, tokenizer, args.seed)
     logger = RunLogger(args, os.path.join(out_dir, f"seed{args.seed}"))
 
     def metrics(critic_set):

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from benchmarks.bench_models import bench_models  # noqa: E402
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import make_engine  # noqa: E402
+from common.rollout import HFEngine, VLLMEngine  # noqa: E402
 
 
 def timed_generate(engine, prompt_ids, n, max_new_tokens):
@@ -47,9 +47,9 @@ def main():
         tok, model = load_tokenizer(models[key]), load_model(models[key])
         problems = load_problems("testbed", "train", (3,), cli.num_prompts, 0)
         prompt_ids = encode_prompts(tok, [render_prompt(q, tok) for q in problems], 0)
-        hf_generate, hf = make_engine("hf_generate", model, tok), make_engine("hf", model, tok)
+        hf_generate, hf = HFEngine(model, tok, loop=False), HFEngine(model, tok)
         t0 = time.perf_counter()
-        vllm = make_engine("vllm", model, tok, seed=0)
+        vllm = VLLMEngine(model, tok, seed=0)
         t_init = time.perf_counter() - t0
         named = (("hf_generate", hf_generate), ("hf", hf), ("vllm", vllm))
         for _, engine in named:  # warm-up, not timed

@@ -122,6 +122,12 @@ class TrainArgs(RunArgs):
     in place after every update; needs the vllm extra, see README)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory the colocated vLLM engine may take (GPU only)"""
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the vLLM engine's weights: auto = bfloat16 on CUDA (whatever --dtype the trainer's master weights
+    have), --dtype on CPU"""
+    vllm_max_model_len: int = 0
+    """vLLM's context length, prompt + completion (0: --max-prompt-tokens + --max-new-tokens when
+    --max-prompt-tokens is set, else 2048 + --max-new-tokens; capped at the model's max_position_embeddings)"""
 
     # Evaluation
     eval_every: int = 50

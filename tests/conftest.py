@@ -65,6 +65,39 @@ def wide_head_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def chat_config_model_dir(tmp_path_factory):
+    """A tiny Qwen2 with a generation_config.json like the ones chat models ship: two eos ids (the tokenizer's
+    <|im_end|>, then <|endoftext|>, which is also the pad token, as in Qwen2.5-Instruct's) and sampling defaults
+    that change the distribution (repetition_penalty 1.3, top_k 3, min_p 0.2). It emits the second eos id with
+    probability about 0.5 at every step (one residual dimension held at +100, as in wide_head_model_dir, read only
+    by that row of the LM head), and spreads the rest nearly evenly over the other tokens."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from common.testbed import build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("chat_config"))
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[tok.pad_token_id, 0] = 0.5
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tok.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id, do_sample=True,
+        repetition_penalty=1.3, top_k=3, min_p=0.2)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def copy_alone(tmp_path):
     """copy_alone("grpo.py") -> a fresh folder holding only that trainer and common/ (no tests, no other trainer),
@@ -131,3 +164,18 @@ def assert_samples(run_dir, train_fields=(), eval_fields=("correct",), steps=Non
     if steps is not None:
         assert sorted({r["step"] for r in rows if r["kind"] == "train"}) == list(steps)
     return rows
+
+
+def assert_ends_at_first_stop(rollouts, stop: list[int], max_new_tokens: int) -> list[int]:
+    """Every row of `rollouts` ended at its first token in `stop`: that token is in the completion mask (and counted
+    in lengths_B), nothing after it is; no row is truncated; the engine stopped early (its completions are narrower
+    than max_new_tokens). Returns the stop token each row ended on."""
+    assert not rollouts.truncated_B.any()
+    assert rollouts.completion_ids_BC.shape[1] < max_new_tokens
+    ended_on = []
+    for ids, mask, n in zip(rollouts.completion_ids_BC.tolist(), rollouts.completion_mask_BC.tolist(),
+                            rollouts.lengths_B.tolist()):
+        k = next(i for i, t in enumerate(ids) if t in stop)
+        assert mask == [1.0] * (k + 1) + [0.0] * (len(ids) - k - 1) and n == k + 1, (ids, mask)
+        ended_on.append(ids[k])
+    return ended_on

