@@ -465,6 +465,7 @@ def main(args: Args) -> dict:
                     optimizer.step()
                     lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
                     scheduler.step()  # per optimizer step: --warmup-steps counts optimizer steps
+            optimizer.zero_grad(set_to_none=True)  # gradients freed before a vllm engine wakes
             engine.sync_weights(model)
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
