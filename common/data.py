@@ -162,15 +162,18 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
 def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", template: str = MATH_TEMPLATE) -> str:
     """The text the policy sees. Testbed problems use the compact format the testbed models
     were trained on; others use `template`, then `suffix` (text a trainer appends, e.g. oc_grpo.py's
-    partial reference solution), inside the tokenizer's chat template when it has one."""
+    partial reference solution), inside the tokenizer's chat template when it has one, after the system turn
+    the tokenizer's `system_prompt` asks for (common.models.load_tokenizer; None: the template's default)."""
     if problem.task == "testbed":
         return render_testbed_prompt(problem.question, hints)
     # hints in KnowRL's format: "{problem}\n\n## Hint\n{one per line}\n\nPlease reason step by step, ..."
     question = problem.question + ("\n\n## Hint\n" + "\n".join(hints) + "\n" if hints else "")
     text = template.format(question=question) + suffix
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        system = getattr(tokenizer, "system_prompt", None)  # set by common.models.load_tokenizer
+        messages = ([] if system is None else [{"role": "system", "content": system}]) + [
+            {"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
 
 
