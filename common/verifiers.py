@@ -235,8 +235,9 @@ def score(completions: list[str], problems: list, timeout: float = 5.0) -> list[
     for i, p in enumerate(problems):
         if p.task == "testbed":
             rewards[i] = testbed_reward(completions[i], p.answer)
+    rule = ["testbed" if p.task == "testbed" else "nl" if p.task == "nl" else "math" for p in problems]
     for task in ("math", "nl"):  # math: every task but the testbed and nl
-        idx = [i for i, p in enumerate(problems) if p.task == task or task == "math" and p.task not in ("testbed", "nl")]
+        idx = [i for i, r in enumerate(rule) if r == task]
         if idx:
             for i, r in zip(idx, math_rewards([completions[i] for i in idx], [problems[i].answer for i in idx],
                                               timeout, task)):

@@ -101,8 +101,9 @@ def test_testbed_nl_is_deterministic_with_disjoint_splits_and_graded_levels():
     from common.testbed_nl import split_key
 
     train = load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 200, seed=0)
+    again = load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 200, seed=0)
     assert [(p.question, p.answer, p.solution, p.hints, p.uid) for p in train] == [
-        (p.question, p.answer, p.solution, p.hints, p.uid) for p in load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 200)]
+        (p.question, p.answer, p.solution, p.hints, p.uid) for p in again]
     test = load_problems("testbed-nl", "test", (1, 2, 3, 4, 5), 200, seed=0)
     assert {split_key(p) for p in train}.isdisjoint(split_key(p) for p in test)  # also across names and levels
     assert {p.question for p in train}.isdisjoint(p.question for p in test)

@@ -33,7 +33,8 @@ def test_name_resolves_to_a_plain_folder_with_tokenizer_chat_template_and_genera
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (2, 2, 1)
     assert (gen.pad_token_id, gen.eos_token_id) == (2, 2)
     assert len(tok) == model.config.vocab_size == 49152
-    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert next(model.parameters()).dtype == torch.float32
     assert [tok.decode([i]) for i in tok("47+35", add_special_tokens=False)["input_ids"]] == list("47+35")
 
@@ -57,7 +58,7 @@ def test_damaged_or_half_written_folder_is_not_taken_for_a_conversion(smollm2_di
         "truncated weights": lambda: _replace(os.path.join(path, "model.safetensors"), b"\0" * 1000),
         "missing tokenizer": lambda: os.remove(os.path.join(path, "tokenizer.json")),
         "no record (half-written)": lambda: os.remove(os.path.join(path, pretrained.DONE_FILE)),
-        "another recipe": lambda: _replace(os.path.join(path, pretrained.DONE_FILE), json.dumps(dict(hash="x")).encode()),
+        "another recipe": lambda: _replace(os.path.join(path, pretrained.DONE_FILE), b'{"hash": "x"}'),
     }
     for what, damage in damages.items():
         shutil.rmtree(path)
@@ -83,7 +84,8 @@ def test_damaged_folder_is_rebuilt_by_a_real_conversion(smollm2_dir, tmp_path, m
     shutil.copytree(smollm2_dir, path, copy_function=os.link)
     _replace(os.path.join(path, "model.safetensors"), b"\0" * 1000)
     assert resolve_model(NAME) == path and pretrained._is_valid(path, NAME)
-    new, old = load_file(os.path.join(path, "model.safetensors")), load_file(os.path.join(smollm2_dir, "model.safetensors"))
+    new = load_file(os.path.join(path, "model.safetensors"))
+    old = load_file(os.path.join(smollm2_dir, "model.safetensors"))
     assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in old)
 
 

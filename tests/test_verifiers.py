@@ -103,7 +103,7 @@ def test_nl_answer_rule_boxed_then_answer_is_then_last_number():
         "": 0.0, "\\boxed{}": 0.0, "answer is answer is": 0.0, "}{\\boxed{{{": 0.0, "1" * 5000: 0.0,
     }
     problems = [Problem(question="What is 47 + 35?", answer="82", task="nl")] * len(replies)
-    assert score(list(replies), problems) == list(replies.values())
+    assert score(list(replies), problems, timeout=60) == list(replies.values())  # a cold worker pool starts slowly
     assert extract_answer("The answer is 1,234.") == None and extract_answer("The answer is 1,234.", "nl") == "1234"
 
 
