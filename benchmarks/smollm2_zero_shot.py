@@ -21,8 +21,8 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ALTERNATIVES = {
+    "end-with": ('{question}\nEnd with "The answer is N." where N is the number.', "nl"),
     "boxed": ("{question}\nPut your final answer within \\boxed{{}}.", "math"),
-    "short": ('{question}\nGive a short answer that ends with "The answer is N."', "nl"),
 }
 """Alternative wordings tried: template, and the task whose format_reward is the expected format."""
 

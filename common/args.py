@@ -85,7 +85,8 @@ class TrainArgs(RunArgs):
     """'testbed-weak', 'testbed-strong' (built locally and cached), 'smollm2-135m-instruct' (converted once from an
     installed package, see docs/testbed.md), a Hugging Face id, or a local folder"""
     dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
+    """'testbed', 'testbed-nl' (the testbed's problems in words, for chat models), a local .jsonl file, or a Hugging
+    Face dataset name"""
     dataset_config: str | None = None
     """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"
@@ -95,7 +96,7 @@ class TrainArgs(RunArgs):
     eval_split: str = "test"
     """split used for held-out evaluation"""
     levels: tuple[int, ...] = (3,)
-    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
+    """testbed and testbed-nl difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
     question_field: str | None = None
     """record field holding the question (auto-detected when unset)"""
     answer_field: str | None = None

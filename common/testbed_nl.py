@@ -28,8 +28,9 @@ import random
 from common.testbed import Problem, is_heldout
 
 NL_LEVELS = (1, 2, 3, 4, 5)
-NL_INSTRUCTION = 'End with "The answer is N." where N is the number.'
-"""The answer-format instruction common.data.render_prompt puts after every testbed-nl question."""
+NL_INSTRUCTION = 'First write the sum with its result. Then end with "The answer is" and that number.'
+"""The answer-format instruction common.data.render_prompt puts after every testbed-nl question (chosen on measured
+zero-shot replies of SmolLM2-135M-Instruct: benchmarks/smollm2_zero_shot.md)."""
 NAMES = (("Tom", "he"), ("Anna", "she"), ("Sam", "he"), ("Mia", "she"), ("Ben", "he"), ("Lily", "she"))
 THINGS = ("apples", "marbles", "stickers", "books", "coins", "cards")
 EVENTS = {  # verb phrase (with {n}), the rule in words, and the sign of the change
