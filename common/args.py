@@ -93,9 +93,11 @@ class RunArgs(ExperimentArgs):
 class TrainArgs(RunArgs):
     # Model and data
     model_name: str = "testbed-weak"
-    """'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
+    """'testbed-weak', 'testbed-strong' (built locally and cached), 'smollm2-135m-instruct' (converted once from an
+    installed package, see docs/testbed.md), a Hugging Face id, or a local folder"""
     dataset: str = "testbed"
-    """'testbed', a local .jsonl file, or a Hugging Face dataset name"""
+    """'testbed', 'testbed-nl' (the testbed's problems in words, for chat models), a local .jsonl file, or a Hugging
+    Face dataset name"""
     dataset_config: str | None = None
     """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"
@@ -105,7 +107,7 @@ class TrainArgs(RunArgs):
     eval_split: str = "test"
     """split used for held-out evaluation"""
     levels: tuple[int, ...] = (3,)
-    """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
+    """testbed and testbed-nl difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
     question_field: str | None = None
     """record field holding the question (auto-detected when unset)"""
     answer_field: str | None = None
@@ -116,6 +118,9 @@ class TrainArgs(RunArgs):
     """keep only this many training problems (0: all; testbed: 500 per level)"""
     max_prompt_tokens: int = 0
     """truncate prompts to their last N tokens (0: never)"""
+    system_prompt: str | None = None
+    """the chat template's system turn: None keeps the template's default (SmolLM2's inserts "You are a helpful AI
+    assistant named SmolLM..."), "" an empty system turn (no default inserted), other text that system turn"""
     rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
     """generation engine: 'hf' (a KV-cache sampling loop on the training weights, each prompt prefilled once
     per group), 'hf_generate' (plain model.generate) or 'vllm' (a colocated vLLM engine that gets the weights

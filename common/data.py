@@ -1,6 +1,7 @@
 """Problems from the embedded testbed, a local JSONL file, or a Hugging Face dataset; prompts; a resumable sampler.
 
     --dataset testbed                 the embedded suite (levels from --levels)
+    --dataset testbed-nl              the same kind of problems in words, for chat models (common/testbed_nl.py)
     --dataset data/train.jsonl        one JSON object per line
     --dataset openai/gsm8k            any HF dataset (GSM8K, MATH-500 and similar fields)
     --dataset data/                   a local folder: data/<split>.jsonl (or .json), else read by `datasets`
@@ -19,12 +20,14 @@ import random
 import re
 
 from common.testbed import Problem, make_suite, render_testbed_prompt
+from common.testbed_nl import NL_INSTRUCTION, make_nl_suite
 from common.verifiers import strip_thousands
 
 QUESTION_FIELDS = ("question", "problem", "prompt", "query", "input")
 ANSWER_FIELDS = ("answer", "ground_truth", "final_answer", "target", "output")
 SOLUTION_FIELDS = ("solution", "reasoning", "rationale")
-MATH_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{{}}."
+MATH_TEMPLATE = "{question}\n" + MATH_INSTRUCTION
 
 
 def fail(message: str) -> None:
@@ -137,6 +140,9 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
         problems = make_suite("test" if split in ("test", "validation") else "train", levels=tuple(levels),
                               n_per_level=num_problems or 500, seed=seed)
         return problems
+    if dataset == "testbed-nl":
+        return make_nl_suite("test" if split in ("test", "validation") else "train", levels=tuple(levels),
+                             n_per_level=num_problems or 500, seed=seed)
     where = None
     local = [os.path.join(dataset, split + ext) for ext in (".jsonl", ".json")] if os.path.isdir(dataset) else []
     local = [f for f in local if os.path.isfile(f)]
@@ -161,16 +167,22 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
 
 def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", template: str = MATH_TEMPLATE) -> str:
     """The text the policy sees. Testbed problems use the compact format the testbed models
-    were trained on; others use `template`, then `suffix` (text a trainer appends, e.g. oc_grpo.py's
-    partial reference solution), inside the tokenizer's chat template when it has one."""
+    were trained on; others use `template` (testbed-nl: with its answer instruction in place of the math
+    one), then `suffix` (text a trainer appends, e.g. oc_grpo.py's
+    partial reference solution), inside the tokenizer's chat template when it has one, after the system turn
+    the tokenizer's `system_prompt` asks for (common.models.load_tokenizer; None: the template's default)."""
     if problem.task == "testbed":
         return render_testbed_prompt(problem.question, hints)
     # hints in KnowRL's format: "{problem}\n\n## Hint\n{one per line}\n\nPlease reason step by step, ..."
     question = problem.question + ("\n\n## Hint\n" + "\n".join(hints) + "\n" if hints else "")
+    if problem.task == "nl":  # testbed-nl asks for its own answer line (also inside a trainer's own template)
+        template = template.replace(MATH_INSTRUCTION, NL_INSTRUCTION.replace("{", "{{").replace("}", "}}"))
     text = template.format(question=question) + suffix
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        system = getattr(tokenizer, "system_prompt", None)  # set by common.models.load_tokenizer
+        messages = ([] if system is None else [{"role": "system", "content": system}]) + [
+            {"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
 
 

@@ -1,4 +1,5 @@
-"""Loading a policy and its tokenizer: a testbed name, a Hugging Face id, or a local folder."""
+"""Loading a policy and its tokenizer: a testbed name, an embedded pretrained name (common/pretrained.py), a Hugging
+Face id, or a local folder."""
 
 from __future__ import annotations
 
@@ -10,21 +11,27 @@ import os
 
 import torch
 
+from common.pretrained import PRETRAINED_MODELS, ensure_pretrained_model
 from common.testbed import TESTBED_MODELS, ensure_testbed_model
 
 
 def resolve_model(name: str) -> str:
-    """The folder or hub id to load; builds a testbed model on first use."""
+    """The folder or hub id to load; builds a testbed model, or converts an embedded pretrained one, on first use."""
     if name in TESTBED_MODELS:
         return ensure_testbed_model(name)
+    if name in PRETRAINED_MODELS:
+        return ensure_pretrained_model(name)
     looks_local = name.startswith((".", "/", "~")) or os.path.sep in name and os.path.exists(name.split(os.path.sep)[0])
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         raise SystemExit(f"error: model path {name!r} does not exist (give a local folder, a hub id, "
-                         f"or one of {list(TESTBED_MODELS)})")
+                         f"or one of {list(TESTBED_MODELS) + list(PRETRAINED_MODELS)})")
     return os.path.expanduser(name) if looks_local else name
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, system_prompt: str | None = None):
+    """The tokenizer of model `name`, left-padding, with a pad token (eos when it has none) and `system_prompt`
+    stored on it for common.data.render_prompt (None: the chat template's own default, which for SmolLM2 is a
+    system turn of its own; "": an empty system turn, so no default is inserted; text: that system turn)."""
     from transformers import AutoTokenizer
 
     path = resolve_model(name)
@@ -38,6 +45,16 @@ def load_tokenizer(name: str):
     if tok.eos_token_id is None:
         raise SystemExit(f"error: the tokenizer of {name!r} has no eos token; generation could not stop")
     tok.stop_token_ids = stop_token_ids(tok, path)
+    if system_prompt and not getattr(tok, "chat_template", None):
+        raise SystemExit(f"error: --system-prompt needs a chat template, and the tokenizer of {name!r} has none")
+    if system_prompt is not None and getattr(tok, "chat_template", None):
+        try:  # some templates refuse a system turn; say so now rather than at the first prompt
+            tok.apply_chat_template([{"role": "system", "content": system_prompt}, {"role": "user", "content": "x"}],
+                                    tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - jinja raises its own TemplateError
+            raise SystemExit(f"error: the chat template of {name!r} takes no system turn (--system-prompt): "
+                             f"{_one_line(e)}") from None
+    tok.system_prompt = system_prompt
     return tok
 
 

@@ -57,7 +57,8 @@ class Problem:
     hint_helpful: list = field(default_factory=list)
     """for each hint, whether the reference solution uses it"""
     task: str = "testbed"
-    """'testbed' (compact prompt, exact integer check) or 'math' (chat prompt, math-verify)"""
+    """'testbed' (compact prompt, exact integer check), 'math' (chat prompt, math-verify) or 'nl' (testbed-nl: chat
+    prompt, its own answer rule and format, math-verify)"""
     uid: str = ""
     """stable identifier of the problem"""
 

@@ -1,5 +1,9 @@
 """Verifiable rewards: the testbed checker, a math checker on math-verify, a format reward.
 
+The final answer of a reply (`extract_answer`): for math, the last `\\boxed{}`, else what follows the last `####`;
+for testbed-nl (task 'nl', replies of a small chat model) the last `\\boxed{}` if the reply has one, else the
+number after the last "answer is", else the last number of the reply.
+
 Every reward function returns a float and never raises on model output: garbage,
 empty strings and pathological expressions score 0.
 
@@ -20,6 +24,11 @@ import threading
 _TESTBED_FORMAT = re.compile(r"^-?\d+$")
 # a whole answer that is one number written with thousands separators: 1,234,567 or LaTeX's 1{,}234 and 1\,234
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?:\.\d+)?")
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+# "answer is" and the number right after it (markdown bold, '$' and ':' allowed between); group 1 None if none follows
+_ANSWER_IS = re.compile(r"answer is(?:[\s:*$=]*(-?\d+(?:,\d{3})*(?:\.\d+)?))?", re.IGNORECASE)
+# testbed-nl's format: the reply ends with "The answer is N." (N a number; bold or '$' around it allowed)
+_NL_FORMAT = re.compile(r"the answer is:?\s*[*$]*-?\d+(?:,\d{3})*(?:\.\d+)?[*$]*\.?[*]*\s*$", re.IGNORECASE)
 
 
 def testbed_reward(completion: str, answer: str) -> float:
@@ -53,8 +62,11 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: the last `\\boxed{}`, else what follows the last `####`."""
+def extract_answer(text: str, task: str = "math") -> str | None:
+    """The final answer of a completion: the last `\\boxed{}`, else what follows the last `####` (task 'nl':
+    `extract_nl_answer`)."""
+    if task == "nl":
+        return extract_nl_answer(text)
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -62,6 +74,26 @@ def extract_answer(text: str) -> str | None:
         tail = text.rsplit("####", 1)[1].strip()
         return strip_thousands(tail.split("\n")[0].strip().rstrip(".")) or None
     return None
+
+
+def extract_nl_answer(text: str) -> str | None:
+    """The answer of a testbed-nl reply: the last `\\boxed{}` when the reply has one (None when it is cut off),
+    else the number right after the last "answer is" (None when none follows: a reply cut there), else the last
+    number of the reply; thousands separators dropped.
+
+    >>> extract_nl_answer("40 + 30 = 70, 7 + 5 = 12. The answer is: **82** apples."), extract_nl_answer("so 1,234")
+    ('82', '1234')
+    >>> extract_nl_answer("First 47 + 35 = 82. The answer is"), extract_nl_answer(r"\\boxed{8"), extract_nl_answer("no")
+    (None, None, None)
+    """
+    if "\\boxed" in text:
+        boxed = last_boxed(text)
+        return boxed.strip() if boxed is not None else None
+    said = list(_ANSWER_IS.finditer(text))
+    if said:
+        return strip_thousands(said[-1].group(1)) if said[-1].group(1) else None
+    numbers = _NUMBER.findall(text)
+    return strip_thousands(numbers[-1]) if numbers else None
 
 
 def strip_thousands(s: str) -> str:
@@ -133,15 +165,16 @@ _POOL = _Pool()
 atexit.register(_POOL.close)
 
 
-def math_rewards(completions: list[str], answers: list[str], timeout: float = 5.0) -> list[float]:
-    """1.0 where the completion's final answer equals the gold answer (symbolically), else 0.0.
+def math_rewards(completions: list[str], answers: list[str], timeout: float = 5.0, task: str = "math") -> list[float]:
+    """1.0 where the completion's final answer (`extract_answer(text, task)`) equals the gold answer (symbolically),
+    else 0.0.
 
     Exact string matches (after light normalisation) skip SymPy. Each symbolic check
     gets `timeout` seconds of wall clock; overruns and errors score 0.
     """
     rewards, pending = [0.0] * len(completions), {}
     for i, (text, gold) in enumerate(zip(completions, answers)):
-        pred = extract_answer(text or "")
+        pred = extract_answer(text or "", task)
         if pred is None or gold is None or len(pred) > 1000:
             continue
         if _normalise(pred) == _normalise(str(gold)):
@@ -183,9 +216,16 @@ def math_reward(completion: str, answer: str, timeout: float = 5.0) -> float:
 
 
 def format_reward(completion: str, task: str) -> float:
-    """1.0 when the completion has the task's answer format (testbed: a bare integer; math: a `\\boxed{}`)."""
+    """1.0 when the completion has the task's answer format (testbed: a bare integer; math: a `\\boxed{}`;
+    nl: it ends with "The answer is N.").
+
+    >>> format_reward("7 + 5 = 12. The answer is 12.", "nl"), format_reward("The answer is 12. Hope it helps!", "nl")
+    (1.0, 0.0)
+    """
     if task == "testbed":
         return float(bool(_TESTBED_FORMAT.match(completion.strip())))
+    if task == "nl":
+        return float(bool(_NL_FORMAT.search(completion)))
     return float(last_boxed(completion) is not None)
 
 
@@ -198,12 +238,14 @@ def score(completions: list[str], problems: list, truncated=None, timeout: float
         for i, r in zip(keep, score([completions[i] for i in keep], [problems[i] for i in keep], timeout=timeout)):
             rewards[i] = r
         return rewards
-    math_idx = [i for i, p in enumerate(problems) if p.task != "testbed"]
     for i, p in enumerate(problems):
         if p.task == "testbed":
             rewards[i] = testbed_reward(completions[i], p.answer)
-    if math_idx:
-        for i, r in zip(math_idx, math_rewards([completions[i] for i in math_idx],
-                                                 [problems[i].answer for i in math_idx], timeout)):
-            rewards[i] = r
+    rule = ["testbed" if p.task == "testbed" else "nl" if p.task == "nl" else "math" for p in problems]
+    for task in ("math", "nl"):  # math: every task but the testbed and nl
+        idx = [i for i, r in enumerate(rule) if r == task]
+        if idx:
+            for i, r in zip(idx, math_rewards([completions[i] for i in idx], [problems[i].answer for i in idx],
+                                              timeout, task)):
+                rewards[i] = r
     return rewards

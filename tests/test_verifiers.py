@@ -83,3 +83,32 @@ def test_hashes_answer_keeps_list_commas_and_drops_thousands_separators():
     assert extract_answer("#### 1,234,567.") == "1234567"
     assert extract_answer("#### 1,2") == "1,2"
     assert math_rewards(["#### 1,2", "#### 12"], ["12", "1,2"]) == [0.0, 0.0]
+
+
+def test_nl_answer_rule_boxed_then_answer_is_then_last_number():
+    from common.testbed import Problem
+    from common.verifiers import score
+
+    replies = {
+        "7 + 5 = 12, so 40 + 30 + 12 = 82. The answer is 82.": 1.0,
+        "The answer is **82** apples.": 1.0,
+        "The answer is: $82$": 1.0,
+        "Tom has 47 + 35 = 82 apples.": 1.0,  # no answer line: the last number
+        "I think \\boxed{82}, the answer is 81.": 1.0,  # a boxed answer wins over the rest
+        "The answer is 81. Wait, 47 + 35 = 82.": 0.0,  # the answer line wins over a later number
+        "So \\boxed{\\frac{164}{2}}.": 1.0,  # an equal value, checked by math-verify
+        "First 47 + 35 = 82. The answer is": 0.0,  # cut right before the number
+        "47 + 35 = \\boxed{8": 0.0,  # a cut-off box
+        "To add 47 and 35 we need to find a common multiple of 47 and": 0.0,  # truncated garbage
+        "": 0.0, "\\boxed{}": 0.0, "answer is answer is": 0.0, "}{\\boxed{{{": 0.0, "1" * 5000: 0.0,
+    }
+    problems = [Problem(question="What is 47 + 35?", answer="82", task="nl")] * len(replies)
+    assert score(list(replies), problems, timeout=60) == list(replies.values())  # a cold worker pool starts slowly
+    assert extract_answer("The answer is 1,234.") == None and extract_answer("The answer is 1,234.", "nl") == "1234"
+
+
+def test_nl_format_reward_wants_the_reply_to_end_with_the_answer_line():
+    good = ["40 + 30 = 70. The answer is 82.", "The answer is 82", "So the answer is **82**.", "The answer is $82$.\n"]
+    bad = ["The answer is 82. Let me know if you need more help!", "\\boxed{82}", "82", "The answer is eighty-two."]
+    assert [format_reward(t, "nl") for t in good] == [1.0] * 4
+    assert [format_reward(t, "nl") for t in bad] == [0.0] * 4

