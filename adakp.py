@@ -324,7 +324,7 @@ def main(args: Args) -> dict:
         raise SystemExit("error: --tis weighs the sampler's own context; with --correction the rows are trained on "
                          "another prompt, so use one of them")
     run_dir = start_run(args, rank)
-    tokenizer = load_tokenizer(args.model_name)
+    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
     model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model, args) if args.beta > 0 else None

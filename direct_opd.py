@@ -298,7 +298,7 @@ def main(args: Args) -> dict:
     check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
     ckpt = open_checkpoint(args.resume, rank, world)
     # the student's token ids go to the teachers unchanged: one vocabulary, checked before any model loads
-    tokenizer = load_tokenizer(args.model_name)
+    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
     vocab_check = {f"student ({args.model_name})": tokenizer, f"teacher_pre ({args.teacher_pre})":
                    load_tokenizer(args.teacher_pre)}
     if args.teacher_post:

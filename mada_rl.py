@@ -235,7 +235,7 @@ def proposal_text(completion: str, problem) -> str:
     """The answer a proposal shows to a critic: the bare answer on the testbed, the extracted final answer else."""
     if problem.task == "testbed":
         return " ".join(completion.split())[:16]
-    return extract_answer(completion) or "(no final answer)"
+    return extract_answer(completion, problem.task) or "(no final answer)"
 
 
 def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
@@ -472,7 +472,7 @@ def main(args: Args) -> dict:
             torch.manual_seed(args.seed)
             model = make_agents(load_model(args.model_name, args.dtype, device), generators + critics, args)
     (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
-    tokenizer = load_tokenizer(args.model_name)
+    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
     engine = make_engine(args, model, tokenizer, args.seed + rank)
 
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer

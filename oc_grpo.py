@@ -315,7 +315,7 @@ def main(args: Args) -> dict:
     if not 0 < args.is_clip_min <= 1:
         raise SystemExit(f"error: --is-clip-min {args.is_clip_min} must be in (0, 1]")
     run_dir = start_run(args, rank)
-    tokenizer = load_tokenizer(args.model_name)
+    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
     model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model, args) if args.beta > 0 else None

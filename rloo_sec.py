@@ -286,7 +286,7 @@ def main(args: Args) -> dict:
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)
-    tokenizer = load_tokenizer(args.model_name)
+    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
     model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model, args) if args.beta > 0 else None
