@@ -409,7 +409,9 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     C = T - prompt_len
     pos_BT = position_ids(attention_mask_BT)
     starts_U, counts_U = prompt_groups(input_ids_BT[:, :prompt_len], attention_mask_BT[:, :prompt_len])
-    if agree(share_prompt and len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows per prompt on average
+    # checkpointed layers in train mode keep no KV cache, so there is no prompt cache to share: plain forward
+    checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if agree(share_prompt and not checkpointed and len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows/prompt
         # (agree: under FSDP every rank must run the same number of forwards, each a collective)
         head = model(input_ids=input_ids_BT[starts_U, :prompt_len], attention_mask=attention_mask_BT[starts_U, :prompt_len],
                      position_ids=pos_BT[starts_U, :prompt_len], use_cache=True, logits_to_keep=1)
