@@ -81,6 +81,9 @@ class RunArgs(ExperimentArgs):
     """PPO epochs over each rollout batch (mu in the GRPO paper; with 1 epoch of 1 mini-batch the ratio is exactly 1)"""
     micro_batch_size: int = 32
     """rows per forward/backward; gradients do not depend on it"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in backward instead of keeping them: far less activation memory
+    per micro-batch for about one more forward's time (common.models.enable_gradient_checkpointing)"""
 
     # Filled in at runtime
     batch_size: int = 0

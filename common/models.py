@@ -287,6 +287,21 @@ def add_lora(model, names: list[str], r: int, alpha: int, target_modules, **conf
     return wrapped
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations during backward instead of keeping them from the forward
+    (`--gradient-checkpointing`): transformers' `gradient_checkpointing_enable` with the non-reentrant
+    `torch.utils.checkpoint`, which needs no input that requires grad (so frozen embeddings and peft-wrapped models
+    with a frozen base work) and gives the same gradients. It acts in train mode only, where the trainers compute
+    their log-probs (with use_cache=False); generation runs in eval mode with its KV cache, unchanged. Call it on the
+    model before `shard_models` (it sets a flag on each decoder layer; FSDP2 then wraps those layers) or on a peft
+    model (it reaches the base model underneath)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise SystemExit(f"error: --gradient-checkpointing: {type(base).__name__} does not support gradient "
+                         f"checkpointing; run without the flag")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def adapter_params(model, name: str) -> dict:
     """The LoRA tensors of adapter `name` (peft names them `...lora_A.<name>.weight`)."""
     return {n: p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n}

@@ -525,7 +525,9 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     C = T - prompt_len
     pos_BT = position_ids(attention_mask_BT)
     starts_U, counts_U = prompt_groups(input_ids_BT[:, :prompt_len], attention_mask_BT[:, :prompt_len])
-    if agree(share_prompt and len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows per prompt on average
+    # checkpointed layers in train mode keep no KV cache, so there is no prompt cache to share: plain forward
+    checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if agree(share_prompt and not checkpointed and len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows/prompt
         # (agree: under FSDP every rank must run the same number of forwards, each a collective)
         head = model(input_ids=input_ids_BT[starts_U, :prompt_len], attention_mask=attention_mask_BT[starts_U, :prompt_len],
                      position_ids=pos_BT[starts_U, :prompt_len], use_cache=True, logits_to_keep=1)
@@ -541,22 +543,88 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     return out.logits[:, :-1]
 
 
+LOGPROB_CHUNK = 2**22
+"""Vocabulary entries (positions x V) `token_logprobs` converts to float32 at a time: 16 MB per temporary, about 27
+positions at Qwen2.5's V = 151,936."""
+
+
+def _blocks(B: int, C: int, V: int):
+    """(rows, columns) slices that cut a B x C x V tensor into blocks of about LOGPROB_CHUNK entries (at least one
+    position each), whole rows together when a row is small."""
+    per_block = max(1, LOGPROB_CHUNK // max(V, 1))  # positions per block
+    if per_block >= C:
+        rows = max(1, per_block // max(C, 1))
+        for b in range(0, B, rows):
+            yield slice(b, b + rows), slice(None)
+    else:
+        for b in range(B):
+            for c in range(0, C, per_block):
+                yield slice(b, b + 1), slice(c, c + per_block)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits / T)[target] block by block (`_blocks`), in float32 (float64 stays float64). Saved for
+    backward: the logits in their own dtype and the B x C log-normaliser, nothing vocabulary-sized in float32; the
+    gradient (onehot - softmax) * g / T is written block by block into one tensor of the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits_BCV, targets_BC, temperature, with_entropy):
+        B, C, V = logits_BCV.shape
+        dtype = torch.promote_types(logits_BCV.dtype, torch.float32)
+        lse_BC = logits_BCV.new_empty((B, C), dtype=dtype)
+        logp_BC = torch.empty_like(lse_BC)
+        entropy_BC = torch.empty_like(lse_BC) if with_entropy else lse_BC.new_empty(0)
+        for rows, cols in _blocks(B, C, V):
+            z_bcV = logits_BCV[rows, cols].to(dtype) / temperature
+            lse_bc = z_bcV.logsumexp(-1)
+            lse_BC[rows, cols] = lse_bc
+            logp_BC[rows, cols] = z_bcV.gather(-1, targets_BC[rows, cols, None]).squeeze(-1) - lse_bc
+            if with_entropy:  # H = lse - sum_v p_v z_v
+                p_bcV = (z_bcV - lse_bc[..., None]).exp()
+                entropy_BC[rows, cols] = lse_bc - (p_bcV * z_bcV).sum(-1)
+        ctx.save_for_backward(logits_BCV, targets_BC, lse_BC)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy_BC)
+        return logp_BC, entropy_BC
+
+    @staticmethod
+    def backward(ctx, g_logp_BC, _g_entropy):
+        logits_BCV, targets_BC, lse_BC = ctx.saved_tensors
+        B, C, V = logits_BCV.shape
+        g_BC = g_logp_BC.to(lse_BC.dtype) / ctx.temperature
+        grad_BCV = torch.empty(logits_BCV.shape, dtype=logits_BCV.dtype, device=logits_BCV.device)
+        for rows, cols in _blocks(B, C, V):
+            z_bcV = logits_BCV[rows, cols].to(lse_BC.dtype) / ctx.temperature  # a new tensor: safe to overwrite
+            d_bcV = z_bcV.sub_(lse_BC[rows, cols, None]).exp_().mul_(-g_BC[rows, cols, None])  # -softmax * g / T
+            d_bcV.scatter_add_(-1, targets_BC[rows, cols, None], g_BC[rows, cols, None])  # + onehot * g / T
+            grad_BCV[rows, cols] = d_bcV
+        return grad_BCV, None, None, None
+
+
+def token_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False):
+    """log softmax(logits / temperature) of each target token, and the entropy of that distribution (without
+    gradient) if asked: (logp_BC, entropy_BC or None), float32 (float64 for float64 logits), computed in float32
+    blocks of LOGPROB_CHUNK entries. Beyond the logits themselves, forward and backward together hold one more
+    tensor of their size and dtype (the gradient), not float32 copies (docs/fsdp.md, benchmarks/update_memory.md).
+
+    >>> logp, ent = token_logprobs(torch.tensor([[[0.0, 0.0, -1e4]]]), torch.tensor([[1]]), with_entropy=True)
+    >>> round(logp.item(), 4), round(ent.item(), 4)  # two equal entries and a padded head row (common.models)
+    (-0.6931, 0.6931)
+    """
+    logp_BC, entropy_BC = _TokenLogprobs.apply(logits_BCV, targets_BC, temperature, with_entropy)
+    return logp_BC, entropy_BC if with_entropy else None
+
+
 def completion_logprobs(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float = 1.0,
                         with_entropy: bool = False):
     """Log-probs of the completion tokens (columns L..T-1, L the prompt length) at the sampling temperature.
 
-    Returns (logp_BC, entropy_BC or None); entropy is computed without gradient.
+    Returns (logp_BC, entropy_BC or None); entropy is computed without gradient. The vocabulary-sized work is
+    `token_logprobs` on the model's logits (kept in the dtype the LM head returns: bfloat16 under autocast).
     """
-    logits_BCV = completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len).float() / temperature
-    targets_BC = input_ids_BT[:, prompt_len:]
-    lse_BC = logits_BCV.logsumexp(-1)
-    logp_BC = logits_BCV.gather(-1, targets_BC.unsqueeze(-1)).squeeze(-1) - lse_BC
-    entropy_BC = None
-    if with_entropy:
-        with torch.no_grad():
-            probs = (logits_BCV - lse_BC.unsqueeze(-1)).exp()
-            entropy_BC = lse_BC - (probs * logits_BCV).sum(-1)
-    return logp_BC, entropy_BC
+    logits_BCV = completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len)
+    return token_logprobs(logits_BCV, input_ids_BT[:, prompt_len:], temperature, with_entropy)
 
 
 @torch.no_grad()
