@@ -24,7 +24,8 @@ Metrics beyond grpo.py's: kp/*, is/* (with --correction) and time/proxy, describ
     python adakp.py --kp-mode static                        # the baselines: none, all, random, static
     python adakp.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset knowrl_train.jsonl --eval-dataset test.jsonl \\
         --solution-field solution --device cuda --dtype bfloat16 --max-new-tokens 2048 --probe-len 96 \\
-        --num-prompts 32 --group-size 8 --micro-batch-size 8 --learning-rate 1e-6 --total-steps 200
+        --num-prompts 32 --group-size 8 --micro-batch-size 8 --gradient-checkpointing --learning-rate 1e-6 \\
+        --total-steps 200                                   # 80 GB: fp32 masters 25 GB + ~14 GB a micro-batch
     torchrun --nproc-per-node 8 adakp.py --device cuda --fsdp ...   # one rank per GPU; --fsdp: FSDP2 sharding
 
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, V vocabulary, N probe contexts

@@ -22,7 +22,7 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
     python mada_rl.py --eval-debate runs/mada_rl__1__X   # the debate again from a finished run's adapters
     python mada_rl.py --model-name deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dataset my_math.jsonl \\
         --eval-dataset my_math_test.jsonl --device cuda --dtype bfloat16 --max-new-tokens 4096 --lora-r 16 \\
-        --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
+        --micro-batch-size 4 --gradient-checkpointing --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
     torchrun --nproc-per-node 8 mada_rl.py --device cuda --fsdp ...   # data parallel; --fsdp: base and adapters sharded
 
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
@@ -47,7 +47,8 @@ from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_pro
 from common.dist import (all_reduce_grads, all_reduce_mean, gather_shares, init_distributed, is_sharded, rank_world,
                          shard_models)
 from common.logger import RunLogger, check_run_args, fail, sample_rows
-from common.models import adapter_params, add_lora, load_adapters, load_model, load_tokenizer, use_adapter
+from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
+                           load_tokenizer, use_adapter)
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
 from common.run import (load_train_eval, make_optimizer, minibatch_counts, rollout_perf_metrics, sample_step,
                         start_run, timed, update_metrics, without_samples)
@@ -471,6 +472,8 @@ def main(args: Args) -> dict:
         with torch.random.fork_rng():  # the same initial adapters on every rank
             torch.manual_seed(args.seed)
             model = make_agents(load_model(args.model_name, args.dtype, device), generators + critics, args)
+            if args.gradient_checkpointing:  # the frozen base's layers recomputed in backward (LoRA gradients only)
+                enable_gradient_checkpointing(model)
     (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
     tokenizer = load_tokenizer(args.model_name, args.system_prompt)
     engine = make_engine(args, model, tokenizer, args.seed + rank)

@@ -38,8 +38,8 @@ perf/gen_tokens_per_s count all generation of the step, the cascade's included (
     python oc_grpo.py                                       # embedded CPU demo on testbed level 5 (all-fail groups)
     python oc_grpo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset hard_train.jsonl \\
         --eval-dataset hard_test.jsonl --solution-field solution --device cuda --dtype bfloat16 \\
-        --max-new-tokens 1024 --num-prompts 32 --group-size 16 --temperature 0.7 --micro-batch-size 16 \\
-        --learning-rate 1e-6 --total-steps 64
+        --max-new-tokens 1024 --num-prompts 32 --group-size 16 --temperature 0.7 --micro-batch-size 8 \\
+        --gradient-checkpointing --learning-rate 1e-6 --total-steps 64   # sizes: docs/fsdp.md
     torchrun --nproc-per-node 8 oc_grpo.py --model-name ... --device cuda   # data parallel, one rank per GPU
 
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens.

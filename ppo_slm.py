@@ -50,9 +50,10 @@ from common.args import ExperimentArgs
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
                          local_part, shard_models)
 from common.logger import RunLogger, check_sampling_args, sample_rows
-from common.models import add_lora, load_model, load_score_model, load_tokenizer, resolve_model
+from common.models import (add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer,
+                           resolve_model)
 from common.preference import build_pairs, pair_accuracy, supervised_stages
-from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores
+from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
 from common.run import rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples
 from common.verifiers import score
 
@@ -124,6 +125,8 @@ class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
     """rollouts per optimizer step"""
     ppo_epochs: int = 2
     """passes over each rollout batch"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's decoder layers in the PPO backward instead of keeping their activations"""
     learning_rate: float = 2e-4
     """AdamW learning rate for the LoRA and value head (constant; the paper: 5e-6 on 70-410M models)"""
     max_grad_norm: float = 0.5
@@ -237,14 +240,11 @@ def gae(rewards_BC, values_BC, mask_BC, gamma: float, lam: float):
 def policy_forward(model, ids_BT, attn_BT, prompt_len: int, temperature: float):
     """Completion-token log-probs (at the sampling temperature), values V_t from the model's value head
     (`model.v_head` on the last hidden state) and entropies (no grad)."""
+    C = ids_BT.shape[1] - prompt_len
     out = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT),
-                output_hidden_states=True, use_cache=False)
-    logits_BCV = out.logits[:, prompt_len - 1:-1].float() / temperature
-    lse_BC = logits_BCV.logsumexp(-1)
-    logp_BC = logits_BCV.gather(-1, ids_BT[:, prompt_len:, None]).squeeze(-1) - lse_BC
+                output_hidden_states=True, use_cache=False, logits_to_keep=C + 1)  # the LM head on completions only
+    logp_BC, entropy_BC = token_logprobs(out.logits[:, :-1], ids_BT[:, prompt_len:], temperature, with_entropy=True)
     values_BC = model.v_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()).squeeze(-1)
-    with torch.no_grad():
-        entropy_BC = lse_BC - (logits_BCV.softmax(-1) * logits_BCV).sum(-1)
     return logp_BC, values_BC, entropy_BC
 
 
@@ -345,6 +345,8 @@ def main(args: Args) -> dict:
                           args.lora_target_modules)
     else:
         policy = PeftModel.from_pretrained(load_model(base, args.ppo_dtype, device), sft_adapter)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
     policy.v_head = torch.nn.Linear(policy.config.hidden_size, 1).to(device)
     torch.nn.init.zeros_(policy.v_head.weight)
     torch.nn.init.zeros_(policy.v_head.bias)

@@ -15,6 +15,19 @@ greedy decoding on held-out problems (200 per cell), through the prompts the tra
     python benchmarks/testbed_premises.py              # seeds 0 and 1; writes benchmarks/testbed_premises.md
     python benchmarks/testbed_premises.py --seeds 0    # the default models only
 
+The second ground, a real pretrained chat model (--ground smollm2): SmolLM2-135M-Instruct on --dataset testbed-nl,
+through the same renderers and the 'nl' verifier, greedy, up to 64 new tokens, --nl-problems held-out problems a cell,
+before and (--after CHECKPOINT, e.g. a grpo.py run's checkpoint/) after RL; writes
+benchmarks/testbed_premises_smollm2.md:
+
+  guidance   (OC-GRPO) levels 3 and 5 (zero-shot about 0): a 50% solution prefix >= 0.30, the full solution >= 0.70
+  knowledge  (AdaKP) levels 2 and 4: the helpful knowledge points raise accuracy >= 0.15 over none; the distractors
+             alone move it by < 0.05
+  proposals  (MADA-RL) level 2, three proposals: one right raises accuracy >= 0.10 over none; three wrong keep it
+             >= half of none
+
+    python benchmarks/testbed_premises.py --ground smollm2 --after runs/grpo_smollm2/checkpoint
+
 Exits 1 when a premise fails. Build seed 0 is the cached default; other seeds build beside it (about 1.5 minutes a
 model on 2 cores). The teacher pair is built from the seed-0 testbed-weak only, so premise 3's second half is
 measured once. Premise 6 trains ppo_slm.py's SFT adapter and reward model (about 1.5 minutes a seed).
@@ -144,12 +157,116 @@ def premises(m: dict) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
+NL_GUIDED, NL_KP, NL_PROPOSALS = (3, 5), (2, 4), (2,)
+"""testbed-nl levels of each premise: guidance where the model fails alone, hints and proposals where it sometimes
+succeeds (benchmarks/smollm2_zero_shot.md)"""
+
+
+def nl_accuracy(model, tok, problems, prompts, batch: int = 32) -> float:
+    """Greedy accuracy with the 'nl' verifier, at most 64 new tokens (a cut reply scores 0)."""
+    from common.verifiers import score
+
+    ids, correct = tok(prompts, add_special_tokens=False)["input_ids"], []
+    for s in range(0, len(ids), batch):
+        out = HFEngine(model, tok).generate(ids[s : s + batch], n=1, max_new_tokens=64, greedy=True)
+        correct += score(out.texts, problems[s : s + batch], out.truncated_B)
+    return sum(correct) / len(correct)
+
+
+def measure_pretrained(path: str, n: int, seed: int = 0) -> dict:
+    """The premise cells for a pretrained chat model on testbed-nl (the same renderers as the trainers)."""
+    from common.data import load_problems
+    from common.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(path), load_model(path).eval()
+    test = {lv: load_problems("testbed-nl", "test", (lv,), n, seed) for lv in (1, 2, 3, 4, 5)}
+    acc = lambda lv, render: nl_accuracy(model, tok, test[lv], [render(p) for p in test[lv]])  # noqa: E731
+    m, t0 = {}, time.time()
+    for lv in test:
+        m[f"L{lv}"] = acc(lv, lambda p: render_prompt(p, tok))
+    for lv in NL_GUIDED:
+        for frac in (0.5, 1.0):
+            m[f"L{lv}, {frac:.0%} solution prefix"] = acc(
+                lv, lambda p: render_guided_prompt(p, tok, solution_prefix(p.solution, frac)))  # noqa: B023
+    for lv in NL_KP:
+        m[f"L{lv}, helpful hints"] = acc(lv, lambda p: render_prompt(
+            p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if ok]))
+        m[f"L{lv}, distractor hints"] = acc(lv, lambda p: render_prompt(
+            p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if not ok]))
+    rng = random.Random(seed)
+
+    def critic(p, n_right):
+        props = [p.answer] * n_right + [near_miss(int(p.answer), rng) for _ in range(3 - n_right)]
+        rng.shuffle(props)
+        return render_critic_prompt(p, props, tok)
+
+    for lv in NL_PROPOSALS:
+        m[f"L{lv}, 1 of 3 proposals right"] = acc(lv, lambda p: critic(p, 1))
+        m[f"L{lv}, 0 of 3 proposals right"] = acc(lv, lambda p: critic(p, 0))
+    m["s: all cells"] = round(time.time() - t0)
+    return m
+
+
+def premises_pretrained(m: dict) -> list[tuple[str, str, bool]]:
+    rows = []
+    for lv in NL_GUIDED:
+        for frac, need in ((0.5, 0.30), (1.0, 0.70)):
+            v = m[f"L{lv}, {frac:.0%} solution prefix"]
+            rows.append((f"guidance: L{lv} with a {frac:.0%} solution prefix >= {need:.2f} (none: L{lv})",
+                         f"{v:.3f} (none {m[f'L{lv}']:.3f})", v >= need))
+    for lv in NL_KP:
+        h, d, none = m[f"L{lv}, helpful hints"], m[f"L{lv}, distractor hints"], m[f"L{lv}"]
+        rows.append((f"knowledge: L{lv} helpful hints - none >= 0.15", f"{h:.3f} - {none:.3f}", h - none >= 0.15))
+        rows.append((f"knowledge: L{lv} abs(distractors - none) < 0.05", f"{d:.3f} - {none:.3f}", abs(d - none) < 0.05))
+    for lv in NL_PROPOSALS:
+        one, zero, none = m[f"L{lv}, 1 of 3 proposals right"], m[f"L{lv}, 0 of 3 proposals right"], m[f"L{lv}"]
+        rows.append((f"proposals: L{lv} 1 of 3 right - none >= 0.10", f"{one:.3f} - {none:.3f}", one - none >= 0.10))
+        rows.append((f"proposals: L{lv} 0 of 3 right >= none / 2", f"{zero:.3f} vs {none:.3f}", zero >= none / 2))
+    return rows
+
+
+def main_pretrained(a) -> None:
+    from common.pretrained import ensure_pretrained_model
+
+    models = {"SmolLM2-135M-Instruct": ensure_pretrained_model("smollm2-135m-instruct")}
+    if a.after:
+        models[f"after RL ({a.after})"] = a.after
+    results = {name: measure_pretrained(path, a.nl_problems) for name, path in models.items()}
+    rows = {name: premises_pretrained(m) for name, m in results.items()}
+    verdict = lambda p: "pass" if p else "**fail**"  # noqa: E731
+    cols = list(models)
+    lines = ["# Premises on a real pretrained model: SmolLM2-135M-Instruct on testbed-nl", "",
+             f"`python benchmarks/testbed_premises.py --ground smollm2 --nl-problems {a.nl_problems}"
+             + (f" --after {a.after}`" if a.after else "`") + f" (greedy, up to 64 new tokens, {a.nl_problems} "
+             "held-out problems a cell, the trainers' renderers and the 'nl' verifier; a cut reply scores 0). "
+             "Measured on a 2-core CPU; the figures, not the thresholds, decide what the papers' benchmarks can show.",
+             "", "| premise | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for i, (name, _, _) in enumerate(rows[cols[0]]):
+        lines.append(f"| {name} | " + " | ".join(f"{rows[c][i][1]} {verdict(rows[c][i][2])}" for c in cols) + " |")
+    lines += ["", "| measurement | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for k in results[cols[0]]:
+        lines.append(f"| {k} | " + " | ".join(f"{results[c][k]:.3f}" if isinstance(results[c][k], float)
+                                             else str(results[c][k]) for c in cols) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed_premises_smollm2.md"),
+              "w") as f:
+        f.write(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ground", choices=["testbed", "smollm2"], default="testbed",
+                    help="testbed: the embedded models; smollm2: the real pretrained model on testbed-nl")
+    ap.add_argument("--after", default="", help="--ground smollm2: a checkpoint folder to measure beside the model")
+    ap.add_argument("--nl-problems", type=int, default=50, help="--ground smollm2: held-out problems a cell")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="build seeds")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed_premises.md"))
+    ap.add_argument("--out", default="", help="report file (default benchmarks/testbed_premises[_smollm2].md)")
     a = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if a.ground == "smollm2":
+        return main_pretrained(a)
+    a.out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed_premises.md")
     results = {s: measure(s) for s in a.seeds}
     rows = {s: premises(results[s]) for s in a.seeds}
     ok = all(p is not False for s in a.seeds for _, _, p in rows[s])

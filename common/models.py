@@ -223,17 +223,17 @@ def compute_scope(model):
 def load_policy(name: str, args, device: str):
     """The model a trainer updates, in --dtype's compute precision. float32: plain float32. bfloat16 / float16:
     float32 master weights computing under autocast (`autocast_forward`; under --fsdp FSDP2's mixed precision does the
-    same, common.dist.shard_models); with --no-master-weights the weights themselves in --dtype, with a warning."""
-    if args.dtype == "float32":
-        return load_model(name, "float32", device)
-    if not args.master_weights:
+    same, common.dist.shard_models); with --no-master-weights the weights themselves in --dtype, with a warning.
+    --gradient-checkpointing is switched on here, before any sharding."""
+    if args.dtype != "float32" and not args.master_weights:
         print(f"warning: --no-master-weights: the weights are stored in {args.dtype}, so AdamW updates smaller than "
               f"half a {args.dtype} step of a weight (about 1/256 of it for bfloat16) are lost; at learning rates "
               "near 1e-6 most weights never change")
-        return load_model(name, args.dtype, device)
-    model = load_model(name, "float32", device)
-    if not getattr(args, "fsdp", False):
+    model = load_model(name, "float32" if args.master_weights else args.dtype, device)
+    if args.dtype != "float32" and args.master_weights and not getattr(args, "fsdp", False):
         autocast_forward(model, getattr(torch, args.dtype))
+    if getattr(args, "gradient_checkpointing", False):
+        enable_gradient_checkpointing(model)
     return model
 
 

@@ -49,20 +49,24 @@ def grpo_run(tmp_path_factory, smollm2_dir):
     """Two GRPO steps on SmolLM2 (full fine-tuning), kept for the checks below and as direct_opd's post teacher."""
     tmp = tmp_path_factory.mktemp("real_grpo")
     return grpo.main(tyro.cli(grpo.Args, args=[*NL, "--total-steps", "2", "--learning-rate", "1e-5",
+                                               "--group-size", "4", "--max-new-tokens", "24",
                                                "--output-dir", str(tmp), "--run-name", "grpo"]))
 
 
 def test_grpo_trains_smollm2_and_its_checkpoint_reloads_with_from_pretrained(grpo_run, smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_run(grpo_run, 2)
+    rows = _check_run(grpo_run, 2)
     ckpt = os.path.join(grpo_run["run_dir"], "checkpoint")
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     tok = AutoTokenizer.from_pretrained(ckpt)
     assert type(model).__name__ == "LlamaForCausalLM" and len(tok) == 49152 and tok.chat_template
     start = AutoModelForCausalLM.from_pretrained(smollm2_dir).state_dict()
     moved = [k for k, v in model.state_dict().items() if not torch.equal(v, start[k])]
-    assert len(moved) > 0.9 * len(start), f"{len(moved)} of {len(start)} tensors moved"
+    if any(r["adv/frac_zero_std"] < 1 for r in rows):  # a group with a signal: every tensor gets a gradient
+        assert len(moved) > 0.9 * len(start), f"{len(moved)} of {len(start)} tensors moved"
+    else:  # no signal in 2 steps (possible at this size): the weights must not have changed at all
+        assert not moved
     with open(os.path.join(ckpt, "generation_config.json")) as f:
         assert json.load(f).get("eos_token_id") in (2, [2])
 
