@@ -5,11 +5,29 @@ on hidden tests and times it against the task's slow baseline (T_b) and fast ref
 re-timed in the same interleaved rounds. The reward never pays for speed without correctness:
 
     failure ladder   s(no program) = -0.05 < s(compile error) = 0 < s(crash/timeout) = 0.05 < s(wrong) = 0.10
-    if correct       R = max(0.15, CGRE + 0.16 [T_c < T_b] + 0.10 [T_c <= 1.02 T_r]),
-                     CGRE = clip((T_b - T_c) / (T_b - T_r), 0, 1)
+    if correct       R = max(0.15, CGRE + 0.16 [s > 1] + 0.10 [q >= 1/1.02]),
+                     CGRE = clip((T_b - T_b/s) / (T_b - T_r), 0, 1)
+                     s = credit(T_b / T_c, f_b), q = credit(T_r / T_c, f_r)   (credited speed-ups)
+                     credit(x, f) = 1 if 1/f <= x <= f, else x / f (x > f) or x f (x < 1/f)
 
-so every correct program (>= 0.15) outranks every failure (<= 0.10). The group-relative advantage
-and the clipped objective are GRPO's (grpo.py), unchanged:
+so every correct program (>= 0.15) outranks every failure (<= 0.10). With f = 1 these are the papers' terms
+(FBR = [T_c < T_b], RBR = [T_c <= 1.02 T_r]); f_b and f_r are each task's noise floors, measured at start.
+
+Timing (common/code_tasks.py `judge`, common/sandbox.py `measure`), so that the speed terms hold under load:
+each program of a task, and the two references, run in their own sandbox; after the tests and one warm-up call,
+--timing-repeats rounds each call every program once, in a shuffled order, all on one CPU drawn for the round;
+a call counts the CPU time of the program's own process, read by the judge from the kernel (waiting for a CPU
+is not counted; a program with threads or child processes is counted by wall clock). A program's speed-up
+T_b / T_c is the median over rounds of the per-round ratio to the slow baseline, so that what slows a round
+slows both. The timing inputs make the slow baseline run ~55 ms a call here. Noise floor: at start, each task
+judges a copy of each reference --calibration-scorings times against the references, exactly as a candidate;
+f = exp(--noise-floor-margin x max |log self-speed-up|) (logged as `timing calibration ...` and
+timing/noise_floor), so that an equal program is credited 1 and earns no speed reward.
+Cost: per judging of a task, (1 + repeats) calls of every distinct correct program and of both references, about
+6 x 55 ms of CPU for each one as slow as the baseline, plus a sandbox start per program; at start, calibration
+judgings per task (seconds per scoring and per calibration: benchmarks/rlpf_timing.md).
+
+The group-relative advantage and the clipped objective are GRPO's (grpo.py), unchanged:
 
     A_i = (r_i - mean_j r_j) / (std_j r_j + eps)
     J   = E[ agg_{i,t} min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) - beta KL_it ]
@@ -20,7 +38,7 @@ RLVR (1 if correct) and `--reward speed_ungated` pays speed whether or not the o
 (the ablation that collapses correctness in both papers).
 
 Left out, on purpose: DMC's pool of human solutions (speed is judged against the two references),
-its affine drift recalibration (references are re-timed every step instead), dynamic re-sampling.
+its affine drift recalibration (references are re-timed in the same rounds instead), dynamic re-sampling.
 
     python rlpf.py                                          # embedded CPU demo, a few minutes
     python rlpf.py --score-file candidate.py --task sum_range   # judge one program, print one JSON line
@@ -85,7 +103,7 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
     to the slow baseline (docs/rlpf.md, "Timing")"""
     calibration_scorings: int = 5
     """per task, at start: judge a copy of each reference this many times against the references themselves"""
-    noise_floor_margin: float = 2.0
+    noise_floor_margin: float = 3.0
     """noise floor = exp(margin * the largest |log speed-up| of the copies): speed-ups within it earn no credit"""
 
     # Rollouts

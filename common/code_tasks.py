@@ -276,7 +276,7 @@ def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, 
     return {"verdicts": [by_source[p] if p else no_program for p in programs], "slow": slow, "fast": fast}
 
 
-def noise_floor(self_speedups: list, margin: float = 2.0) -> float:
+def noise_floor(self_speedups: list, margin: float = 3.0) -> float:
     """The factor within which a speed-up is noise: exp(margin * max |log s|) over the speed-ups s that a program
     measured against itself got (1 when it always got exactly 1).
 
@@ -292,16 +292,16 @@ _CALIBRATION: dict = {}
 
 
 def calibrate(task: CodeTask, limits: sandbox.Limits | None = None, repeats: int = 5, scorings: int = 5,
-              margin: float = 2.0, method: str = "paired") -> dict:
-    """The task's timing noise, measured once per process (cached): `scorings` judgings of a copy of each
-    reference against the references themselves, exactly as a candidate is judged.
+              margin: float = 3.0, method: str = "paired", cached: bool = True) -> dict:
+    """The task's timing noise, measured once per process (cached; `cached=False` measures it again): `scorings`
+    judgings of a copy of each reference against the references themselves, exactly as a candidate is judged.
 
     Returns {"slow_self": speed-ups T_b / T_c of the slow copy, "fast_self": T_r / T_c of the fast copy,
     "floors": (noise_floor(slow_self), noise_floor(fast_self)), "seconds": wall time of the calibration}.
     """
     limits = limits or sandbox.Limits()
     key = (task.name, task.slow, task.fast, repr(task.timing), repr(limits), repeats, scorings, margin, method)
-    if key not in _CALIBRATION:
+    if key not in _CALIBRATION or not cached:
         t0, slow_self, fast_self = time.perf_counter(), [], []
         for _ in range(scorings):
             r = judge(task, [task.slow, task.fast], limits, repeats, method=method)

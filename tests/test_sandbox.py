@@ -276,8 +276,9 @@ def test_a_program_with_threads_or_child_processes_is_timed_by_wall_clock():
              "def solve(n):\n    t = threading.Thread(target=work, args=(n,))\n    t.start()\n    t.join()\n" \
              "    return 3 * n\n"  # the thread is gone when the call returns; its CPU time is not
     alone = "def solve(n):\n    return 3 * n\n"
-    for v, clock in zip(sandbox.measure([thread, child, joined, alone], TESTS, EXPECTED, TIMING, TIMING_EXPECTED,
-                                        LIMITS, repeats=3), ("wall", "wall", "wall", "cpu" if namespaced() else "wall")):
+    verdicts = sandbox.measure([thread, child, joined, alone], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS,
+                               repeats=3)
+    for v, clock in zip(verdicts, ("wall", "wall", "wall", "cpu" if namespaced() else "wall")):
         assert v.status == "correct" and v.clock == clock and len(v.times) == 3
         if clock == "wall":
             assert v.times == v.wall_times
