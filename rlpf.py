@@ -5,11 +5,29 @@ on hidden tests and times it against the task's slow baseline (T_b) and fast ref
 re-timed in the same interleaved rounds. The reward never pays for speed without correctness:
 
     failure ladder   s(no program) = -0.05 < s(compile error) = 0 < s(crash/timeout) = 0.05 < s(wrong) = 0.10
-    if correct       R = max(0.15, CGRE + 0.16 [T_c < T_b] + 0.10 [T_c <= 1.02 T_r]),
-                     CGRE = clip((T_b - T_c) / (T_b - T_r), 0, 1)
+    if correct       R = max(0.15, CGRE + 0.16 [s > 1] + 0.10 [q >= 1/1.02]),
+                     CGRE = clip((T_b - T_b/s) / (T_b - T_r), 0, 1)
+                     s = credit(T_b / T_c, f_b), q = credit(T_r / T_c, f_r)   (credited speed-ups)
+                     credit(x, f) = 1 if 1/f <= x <= f, else x / f (x > f) or x f (x < 1/f)
 
-so every correct program (>= 0.15) outranks every failure (<= 0.10). The group-relative advantage
-and the clipped objective are GRPO's (grpo.py), unchanged:
+so every correct program (>= 0.15) outranks every failure (<= 0.10). With f = 1 these are the papers' terms
+(FBR = [T_c < T_b], RBR = [T_c <= 1.02 T_r]); f_b and f_r are each task's noise floors, measured at start.
+
+Timing (common/code_tasks.py `judge`, common/sandbox.py `measure`), so that the speed terms hold under load:
+each program of a task, and the two references, run in their own sandbox; after the tests and one warm-up call,
+--timing-repeats rounds each call every program once, in a shuffled order, all on one CPU drawn for the round;
+a call counts the CPU time of the program's own process, read by the judge from the kernel (waiting for a CPU
+is not counted; a program with threads or child processes is counted by wall clock). A program's speed-up
+T_b / T_c is the median over rounds of the per-round ratio to the slow baseline, so that what slows a round
+slows both. The timing inputs make the slow baseline run ~55 ms a call here. Noise floor: at start, each task
+judges a copy of each reference --calibration-scorings times against the references, exactly as a candidate;
+f = exp(--noise-floor-margin x max |log self-speed-up|) (logged as `timing calibration ...` and
+timing/noise_floor), so that an equal program is credited 1 and earns no speed reward.
+Cost: per judging of a task, (1 + repeats) calls of every distinct correct program and of both references, about
+6 x 55 ms of CPU for each one as slow as the baseline, plus a sandbox start per program; at start, calibration
+judgings per task (seconds per scoring and per calibration: benchmarks/rlpf_timing.md).
+
+The group-relative advantage and the clipped objective are GRPO's (grpo.py), unchanged:
 
     A_i = (r_i - mean_j r_j) / (std_j r_j + eps)
     J   = E[ agg_{i,t} min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) - beta KL_it ]
@@ -20,7 +38,7 @@ RLVR (1 if correct) and `--reward speed_ungated` pays speed whether or not the o
 (the ablation that collapses correctness in both papers).
 
 Left out, on purpose: DMC's pool of human solutions (speed is judged against the two references),
-its affine drift recalibration (references are re-timed every step instead), dynamic re-sampling.
+its affine drift recalibration (references are re-timed in the same rounds instead), dynamic re-sampling.
 
     python rlpf.py                                          # embedded CPU demo, a few minutes
     python rlpf.py --score-file candidate.py --task sum_range   # judge one program, print one JSON line
@@ -44,7 +62,8 @@ import tyro
 
 from common import sandbox
 from common.args import RunArgs
-from common.code_tasks import CODE_MODEL, ensure_code_model, extract_program, judge, render_code_prompt, select_tasks
+from common.code_tasks import (CODE_MODEL, calibrate, ensure_code_model, extract_program, judge, render_code_prompt,
+                               select_tasks)
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, global_std, init_distributed, shard_models
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
@@ -77,8 +96,14 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
     """wall-clock seconds a program may take for one call (a timeout fails the program)"""
     memory_mb: int = 256
     """address-space limit of a program, MiB"""
-    timing_repeats: int = 3
-    """timed rounds per program (after a warm-up); its runtime is the median"""
+    timing_repeats: int = 5
+    """timed rounds per program, after a warm-up round; each round times every program of a task once, on one
+    CPU, counting the CPU time of its own process; its speed-up is the median over rounds of the per-round ratio
+    to the slow baseline (docs/rlpf.md, "Timing")"""
+    calibration_scorings: int = 5
+    """per task, at start: judge a copy of each reference this many times against the references themselves"""
+    noise_floor_margin: float = 3.0
+    """noise floor = exp(margin * the largest |log speed-up| of the copies): speed-ups within it earn no credit"""
 
     # Rollouts
     rollout_backend: Literal["hf", "hf_generate", "vllm"] = "hf"
@@ -152,34 +177,65 @@ CORRECT_FLOOR = 0.15
 """s(WO) + 0.05: the least a correct program earns, above every failure."""
 
 
-def staged_reward(status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02) -> float:
-    """RLPF: R = s(sigma) if incorrect; max(s(WO) + 0.05, CGRE + 0.16 FBR + 0.10 RBR) if correct.
+def credited_speedup(speedup: float, floor: float = 1.0) -> float:
+    """The speed-up the reward credits: 1 within the noise floor [1/floor, floor], beyond it shrunk by the floor
+    (on a log scale, |log s| - log floor), so that a program as fast as the reference earns no speed credit.
+
+    >>> credited_speedup(1.08, 1.1), credited_speedup(0.95, 1.1), credited_speedup(2.2, 1.1)
+    (1.0, 1.0, 2.0)
+    >>> credited_speedup(0.5, 1.25), credited_speedup(1.3, 1.0)
+    (0.625, 1.3)
+    """
+    if floor < 1:
+        raise ValueError(f"a noise floor is a factor >= 1, got {floor}")
+    if speedup > floor:
+        return speedup / floor
+    if speedup < 1 / floor:
+        return speedup * floor
+    return 1.0
+
+
+def speed_terms(t_c: float, t_b: float, t_r: float, tol: float = 1.02, floors=(1.0, 1.0)) -> tuple:
+    """(CGRE, FBR, RBR) from the credited speed-ups s = credited(T_b / T_c, floor_b) and q = credited(T_r / T_c,
+    floor_r): CGRE = clip((T_b - T_b/s) / (T_b - T_r), 0, 1), FBR = [s > 1] = [T_c floor_b < T_b],
+    RBR = [q >= 1/tol] = [T_c <= tol floor_r T_r]. With floors (1, 1) they are the papers' terms exactly."""
+    s = credited_speedup(t_b / t_c, floors[0])
+    cgre = min(max((t_b - t_b / s) / max(t_b - t_r, 1e-12), 0.0), 1.0)
+    return cgre, float(t_c * floors[0] < t_b), float(t_c <= tol * floors[1] * t_r)
+
+
+def staged_reward(status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02,
+                  floors=(1.0, 1.0)) -> float:
+    """RLPF: R = s(sigma) if incorrect; max(s(WO) + 0.05, CGRE + 0.16 FBR + 0.10 RBR) if correct (speed terms from
+    the credited speed-ups, `speed_terms`).
 
     >>> staged_reward("wrong_output", 0.001, 1.0, 0.01), staged_reward("correct", 1.5, 1.0, 0.01)
     (0.1, 0.15)
     >>> round(staged_reward("correct", 0.01, 1.0, 0.01), 2)   # CGRE 1 + FBR 0.16 + RBR 0.10
     1.26
+    >>> staged_reward("correct", 0.95, 1.0, 0.01, floors=(1.1, 1.5))   # 1.05x faster: within the noise floor
+    0.15
     """
     if status != "correct":
         return LADDER[status]
-    fbr = float(t_c < t_b)                                     # FBR: faster than the baseline
-    rbr = float(t_c <= tol * t_r)                              # RBR: matches/beats the expert reference
-    cgre = min(max((t_b - t_c) / max(t_b - t_r, 1e-12), 0.0), 1.0)  # CGRE = clip((T_b - T_c)/(T_b - T_r), 0, 1)
+    cgre, fbr, rbr = speed_terms(t_c, t_b, t_r, tol, floors)  # FBR: faster than the baseline; RBR: matches T_r
     return max(CORRECT_FLOOR, cgre + 0.16 * fbr + 0.10 * rbr)
 
 
-def dmc_reward(status: str, t_c: float | None, t_b: float, t_r: float) -> float:
+def dmc_reward(status: str, t_c: float | None, t_b: float, t_r: float, floors=(1.0, 1.0)) -> float:
     """DMC collapsed reward R = (1 + c)(1 + g)/2 - 1: +1 if correct and fast, else -1.
 
     c = +1 if correct else -1; g = +1 if T_c <= sqrt(T_b T_r) (the program closes at least half of the
     baseline-to-reference gap on a log scale; our stand-in [I] for DMC's "faster than the top 50 % of
-    human solutions", as the tasks carry two references, not a pool), else -1.
+    human solutions", as the tasks carry two references, not a pool), else -1; the speed-up T_b / T_c is the
+    credited one.
 
     >>> dmc_reward("correct", 0.01, 1.0, 0.01), dmc_reward("correct", 0.9, 1.0, 0.01), dmc_reward("timeout", None, 1, 1)
     (1.0, -1.0, -1.0)
     """
     c = 1.0 if status == "correct" else -1.0
-    g = 1.0 if t_c is not None and t_c <= (t_b * t_r) ** 0.5 else -1.0
+    fast = t_c is not None and credited_speedup(t_b / t_c, floors[0]) >= (t_b / t_r) ** 0.5
+    g = 1.0 if fast else -1.0
     return (1 + c) * (1 + g) / 2 - 1
 
 
@@ -188,24 +244,26 @@ def correctness_reward(status: str, t_c: float | None, t_b: float, t_r: float) -
     return float(status == "correct")
 
 
-def speed_ungated_reward(status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02) -> float:
+def speed_ungated_reward(status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02,
+                         floors=(1.0, 1.0)) -> float:
     """The staged speed terms without the correctness gate: CGRE + 0.16 FBR + 0.10 RBR for any program that
     ran on the timing inputs (right or wrong output), 0 for one that did not (the ablation that collapses)."""
     if t_c is None:
         return 0.0
-    cgre = min(max((t_b - t_c) / max(t_b - t_r, 1e-12), 0.0), 1.0)
-    return cgre + 0.16 * float(t_c < t_b) + 0.10 * float(t_c <= tol * t_r)
+    cgre, fbr, rbr = speed_terms(t_c, t_b, t_r, tol, floors)
+    return cgre + 0.16 * fbr + 0.10 * rbr
 
 
-def program_reward(kind: str, status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02) -> float:
+def program_reward(kind: str, status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02,
+                   floors=(1.0, 1.0)) -> float:
     if kind == "staged":
-        return staged_reward(status, t_c, t_b, t_r, tol)
+        return staged_reward(status, t_c, t_b, t_r, tol, floors)
     if kind == "dmc":
-        return dmc_reward(status, t_c, t_b, t_r)
+        return dmc_reward(status, t_c, t_b, t_r, floors)
     if kind == "correctness":
         return correctness_reward(status, t_c, t_b, t_r)
     if kind == "speed_ungated":
-        return speed_ungated_reward(status, t_c, t_b, t_r, tol)
+        return speed_ungated_reward(status, t_c, t_b, t_r, tol, floors)
     raise ValueError(f"unknown reward {kind!r}")
 
 
@@ -306,18 +364,57 @@ def limits_of(args: Args) -> sandbox.Limits:
     return sandbox.Limits(call_s=args.call_timeout, memory_mb=args.memory_mb)
 
 
+def check_timing_args(args: Args) -> None:
+    """The judging flags: a one-line error for a value that cannot time or judge anything."""
+    for name, least in (("timing_repeats", 1), ("calibration_scorings", 1), ("memory_mb", 1)):
+        if getattr(args, name) < least:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least {least}")
+    if not args.call_timeout > 0:
+        raise SystemExit(f"error: --call-timeout {args.call_timeout} must be a positive number of seconds")
+    if not args.noise_floor_margin >= 1:
+        raise SystemExit(f"error: --noise-floor-margin {args.noise_floor_margin} must be at least 1 (a factor on "
+                         "the largest self-speed-up of the calibration)")
+    if not args.rbr_tolerance >= 1:
+        raise SystemExit(f"error: --rbr-tolerance {args.rbr_tolerance} must be at least 1 (T_c <= tolerance x T_r)")
+
+
+def calibration_of(task, args: Args) -> dict:
+    """The task's timing calibration (common/code_tasks.py `calibrate`; measured once per run, then cached)."""
+    return calibrate(task, limits_of(args), args.timing_repeats, args.calibration_scorings, args.noise_floor_margin)
+
+
+def calibrate_timing(tasks: list, args: Args) -> dict:
+    """Calibrate every task at start and print one line each: the speed-ups the references' copies got against
+    the references, and the noise floors that follow."""
+    floors = {}
+    for task in dict((t.name, t) for t in tasks).values():
+        c = calibration_of(task, args)
+        floors[task.name] = c["floors"]
+        print(f"timing calibration {task.name}: copy of the slow baseline "
+              f"{' '.join(f'{x:.3f}' for x in c['slow_self'])} -> noise floor {c['floors'][0]:.3f}; copy of the "
+              f"fast reference {' '.join(f'{x:.3f}' for x in c['fast_self'])} -> {c['floors'][1]:.3f} "
+              f"({c['seconds']:.1f} s)")
+    return floors
+
+
 def judge_programs(tasks: list, programs: list, args: Args) -> tuple[list, dict]:
     """Judge each program on its task; each task's programs and its two references are timed together.
-    Returns per-program (verdict, T_b, T_r) and the references' timing spread (noise)."""
-    out, spreads = [None] * len(programs), []
+    Returns per-program (verdict, T_b, T_r), each verdict carrying its task's noise floors (verdict.floors), and
+    the references' timing spread (noise) and noise floors."""
+    out, spreads, floors = [None] * len(programs), [], []
     for name in dict.fromkeys(t.name for t in tasks):
         rows = [i for i, t in enumerate(tasks) if t.name == name]
+        task_floors = calibration_of(tasks[rows[0]], args)["floors"]
         r = judge(tasks[rows[0]], [programs[i] for i in rows], limits_of(args), args.timing_repeats,
                   time_wrong_outputs=args.reward == "speed_ungated")
         for i, v in zip(rows, r["verdicts"]):
+            v.floors = task_floors
             out[i] = (v, r["slow"].runtime, r["fast"].runtime)
         spreads += [sandbox.noise(r["slow"].times), sandbox.noise(r["fast"].times)]
-    return out, {"timing/reference_noise": float(np.median(spreads))}
+        floors.append(task_floors)
+    return out, {"timing/reference_noise": float(np.median(spreads)),
+                 "timing/noise_floor": float(np.median([f[0] for f in floors])),
+                 "timing/noise_floor_fast": float(np.median([f[1] for f in floors]))}
 
 
 def code_metrics(judged: list, prefix: str) -> dict:
@@ -371,17 +468,21 @@ def score_file(args: Args) -> dict:
             source = f.read(1 << 20)
     except OSError as e:
         raise SystemExit(f"error: --score-file {args.score_file}: {e.strerror}") from None
+    floors = calibration_of(task, args)["floors"]
     r = judge(task, [extract_program(source, task.entry)], limits_of(args), args.timing_repeats)
     v, t_b, t_r = r["verdicts"][0], r["slow"].runtime, r["fast"].runtime
     line = {"task": task.name, "status": v.status, "message": v.message, "runtime": v.runtime,
             "slow_runtime": t_b, "fast_runtime": t_r, "speedup": t_b / v.runtime if v.runtime else None,
-            "reward": staged_reward(v.status, v.runtime, t_b, t_r, args.rbr_tolerance),
+            "credited_speedup": credited_speedup(t_b / v.runtime, floors[0]) if v.runtime else None,
+            "noise_floors": list(floors), "clock": v.clock or None,
+            "reward": staged_reward(v.status, v.runtime, t_b, t_r, args.rbr_tolerance, floors),
             "isolation": sandbox.isolation()}
     print(json.dumps(line))
     return line
 
 
 def main(args: Args) -> dict:
+    check_timing_args(args)
     if args.score_file:
         return score_file(args)
     # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, optimizer, resume)
@@ -394,6 +495,7 @@ def main(args: Args) -> dict:
     train_tasks = select_tasks(args.dataset, args.tasks)
     eval_tasks = train_tasks  # the same tasks: the evaluation measures the policy, not generalisation
     print(f"sandbox isolation: {sandbox.isolation()}")
+    calibrate_timing(train_tasks, args)  # each task's noise floors, measured once before any program is judged
     model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model, args) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
@@ -423,8 +525,8 @@ def main(args: Args) -> dict:
             group_tasks = [t for t in tasks for _ in range(args.group_size)]
             programs = [extract_program(x, t.entry) for x, t in zip(rollouts.texts, group_tasks)]
             judged, timing_stats = judge_programs(group_tasks, programs, args)
-            rewards_B = torch.tensor([program_reward(args.reward, v.status, v.runtime, t_b, t_r, args.rbr_tolerance)
-                                      for v, t_b, t_r in judged])
+            rewards_B = torch.tensor([program_reward(args.reward, v.status, v.runtime, t_b, t_r, args.rbr_tolerance,
+                                                     v.floors) for v, t_b, t_r in judged])
             correct_B = torch.tensor([float(v.status == "correct") for v, _, _ in judged])
 
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)

@@ -27,6 +27,7 @@ import math
 import os
 import random
 import re
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ TASKS = {t.name: t for t in [
     CodeTask(
         "sum_range", "Return the sum of all integers from 0 to n - 1 (n >= 0).", "def solve(n: int) -> int",
         tests=[(0,), (1,), (2,), (10,), (7,), (1000,), (12345,)],
-        timing=[(400_000,), (400_001,), (400_002,), (400_003,)],
+        timing=[(150_000,)] + [(1_500_000 + i,) for i in range(5)],
         slow="def solve(n):\n t = 0\n for i in range(n):\n  t += i\n return t\n",
         fast="def solve(n):\n return n * (n - 1) // 2\n",
         broken=("def solve(n):\n return n * (n + 1) // 2\n", "def solve(n):\n return sum(range(n)\n",
@@ -72,7 +73,7 @@ TASKS = {t.name: t for t in [
     CodeTask(
         "sum_squares", "Return the sum of i * i for i from 0 to n - 1 (n >= 0).", "def solve(n: int) -> int",
         tests=[(0,), (1,), (2,), (3,), (10,), (999,)],
-        timing=[(300_000,), (300_001,), (300_002,), (300_003,)],
+        timing=[(100_000,)] + [(1_000_000 + i,) for i in range(5)],
         slow="def solve(n):\n t = 0\n for i in range(n):\n  t += i * i\n return t\n",
         fast="def solve(n):\n return (n - 1) * n * (2 * n - 1) // 6\n",
         broken=("def solve(n):\n return n * (n + 1) * (2 * n + 1) // 6\n",
@@ -82,7 +83,7 @@ TASKS = {t.name: t for t in [
         "count_multiples", "Return how many i in 0..n-1 are divisible by k (n >= 0, k >= 1).",
         "def solve(n: int, k: int) -> int",
         tests=[(0, 1), (1, 1), (10, 3), (9, 3), (100, 7), (5, 10), (12, 12), (13, 12)],
-        timing=[(400_000, 3), (400_001, 7), (400_002, 5), (400_003, 11)],
+        timing=[(120_000, 3)] + [(1_200_000 + i, k) for i, k in enumerate((3, 7, 5, 11, 4))],
         slow="def solve(n, k):\n c = 0\n for i in range(n):\n  if i % k == 0:\n   c += 1\n return c\n",
         fast="def solve(n, k):\n return (n + k - 1) // k\n",
         broken=("def solve(n, k):\n return n // k\n", "def solve(n, k):\n return (n + k - 1) // j\n",
@@ -92,7 +93,7 @@ TASKS = {t.name: t for t in [
         "def solve(xs: list[int]) -> bool",
         tests=[([],), ([1],), ([1, 1],), ([1, 2, 3],), ([3, 1, 2, 3],), ([5, 4, 3, 2, 1, 0, 9, 0],),
                (list(range(50)),)],
-        timing=[(_distinct(s, 2000),) for s in range(4)],
+        timing=[(_distinct(0, 300),)] + [(_distinct(s, 3000),) for s in range(1, 6)],
         slow="def solve(xs):\n for i in range(len(xs)):\n  if xs[i] in xs[:i]:\n   return True\n return False\n",
         fast="def solve(xs):\n return len(set(xs)) < len(xs)\n",
         broken=("def solve(xs):\n return len(set(xs)) > len(xs)\n", "def solve(xs):\n return len(set(xs) < len(xs)\n",
@@ -102,7 +103,7 @@ TASKS = {t.name: t for t in [
         "def solve(xs: list[int], ys: list[int]) -> int",
         tests=[([], []), ([1], []), ([], [1]), ([1, 2, 3], [3, 2]), ([1, 1, 2], [1]), ([4, 5], [6, 7]),
                (list(range(30)), list(range(15, 60)))],
-        timing=[_lists(s, 2000) for s in range(4)],
+        timing=[_lists(0, 240)] + [_lists(s, 2400) for s in range(1, 6)],
         slow="def solve(xs, ys):\n c = 0\n for x in xs:\n  if x in ys:\n   c += 1\n return c\n",
         fast="def solve(xs, ys):\n s = set(ys)\n return sum(x in s for x in xs)\n",
         broken=("def solve(xs, ys):\n return len(set(xs) & set(ys))\n",
@@ -222,25 +223,98 @@ def expected_outputs(task: CodeTask) -> tuple[list, list]:
     return outs[: len(task.tests)], outs[len(task.tests) :]
 
 
-def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, repeats: int = 3,
-          time_wrong_outputs: bool = False) -> dict:
+METHODS = {"paired": dict(clock="cpu", statistic="min", pin_rounds=True),
+           "legacy": dict(clock="wall", statistic="median", pin_rounds=False)}
+"""How `judge` times. paired: each call counts the CPU time of the program's own process, the programs of a round
+share one CPU, and a program's speed against the slow baseline is the median over rounds of the two programs'
+ratio in that round. legacy (the method before, kept to compare with): the wall-clock round trip, each program's
+median over rounds, then one ratio of medians."""
+
+
+def paired_speedup(base_times: list, times: list) -> float:
+    """Median over rounds r of base_times[r] / times[r] (for an even count, the geometric mean of the middle two, so
+    that swapping the programs inverts it exactly); the rounds both programs were timed in.
+
+    >>> paired_speedup([10, 10, 10], [5, 20, 9]), paired_speedup([4, 4], [1, 4]), paired_speedup([2.0], [8.0])
+    (1.1111111111111112, 2.0, 0.25)
+    """
+    logs = [math.log(b / t) for b, t in zip(base_times, times) if b > 0 and t > 0]
+    if not logs:
+        raise ValueError("paired_speedup needs at least one round with positive times for both programs")
+    return math.exp(statistics.median(logs))
+
+
+def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, repeats: int = 5,
+          time_wrong_outputs: bool = False, method: str = "paired") -> dict:
     """Verdicts for `programs` (sources or None) with the slow and fast references timed in the same rounds.
 
-    Returns {"verdicts": [...], "slow": Verdict, "fast": Verdict} where each correct verdict has a
-    median runtime; identical programs are judged once.
+    Returns {"verdicts": [...], "slow": Verdict, "fast": Verdict}; identical programs are judged once. With the
+    paired method every timed verdict's runtime is on the slow baseline's scale, T_b / paired_speedup(slow, it)
+    with T_b the baseline's fastest round, so that T_b / runtime is the paired speed-up (one clock for all: if
+    a reference had to be timed by wall clock, every program is); with legacy it is the program's median.
     """
     limits = limits or sandbox.Limits()
     tests_out, timing_out = expected_outputs(task)
     unique = list(dict.fromkeys(p for p in programs if p))
     verdicts = sandbox.measure(unique + [task.slow, task.fast], task.tests, tests_out, task.timing, timing_out,
-                               limits, repeats=repeats, entry=task.entry, time_wrong_outputs=time_wrong_outputs)
+                               limits, repeats=repeats, entry=task.entry, time_wrong_outputs=time_wrong_outputs,
+                               **METHODS[method])
     by_source = dict(zip(unique, verdicts))
     no_program = sandbox.Verdict("no_program", "no program found in the completion")
     slow, fast = verdicts[-2], verdicts[-1]
     if slow.status != "correct" or fast.status != "correct":
         raise RuntimeError(f"task {task.name!r}: a reference failed ({slow.status}: {slow.message}; "
                            f"{fast.status}: {fast.message}); raise the limits or check the task")
+    if method == "paired" and slow.times:
+        timed = [v for v in verdicts if v.times]
+        if any(v.clock == "wall" for v in (slow, fast)):
+            for v in timed:
+                v.times, v.clock = list(v.wall_times), "wall"
+        t_b = min(slow.times)
+        for v in timed:
+            v.runtime = t_b / paired_speedup(slow.times, v.times)
     return {"verdicts": [by_source[p] if p else no_program for p in programs], "slow": slow, "fast": fast}
+
+
+def noise_floor(self_speedups: list, margin: float = 3.0) -> float:
+    """The factor within which a speed-up is noise: exp(margin * max |log s|) over the speed-ups s that a program
+    measured against itself got (1 when it always got exactly 1).
+
+    >>> round(noise_floor([1.02, 0.95, 1.01], 2.0), 4), noise_floor([1.0], 3.0)   # 0.95 is the worst: 1 / 0.95^2
+    (1.108, 1.0)
+    """
+    if not self_speedups or min(self_speedups) <= 0 or margin < 1:
+        raise ValueError(f"noise_floor needs positive speed-ups and a margin >= 1, got {self_speedups}, {margin}")
+    return math.exp(margin * max(abs(math.log(s)) for s in self_speedups))
+
+
+_CALIBRATION: dict = {}
+
+
+def calibrate(task: CodeTask, limits: sandbox.Limits | None = None, repeats: int = 5, scorings: int = 5,
+              margin: float = 3.0, method: str = "paired", cached: bool = True) -> dict:
+    """The task's timing noise, measured once per process (cached; `cached=False` measures it again): `scorings`
+    judgings of a copy of each reference against the references themselves, exactly as a candidate is judged.
+
+    Returns {"slow_self": speed-ups T_b / T_c of the slow copy, "fast_self": T_r / T_c of the fast copy,
+    "floors": (noise_floor(slow_self), noise_floor(fast_self)), "seconds": wall time of the calibration}.
+    """
+    limits = limits or sandbox.Limits()
+    key = (task.name, task.slow, task.fast, repr(task.timing), repr(limits), repeats, scorings, margin, method)
+    if key not in _CALIBRATION or not cached:
+        t0, slow_self, fast_self = time.perf_counter(), [], []
+        for _ in range(scorings):
+            r = judge(task, [task.slow, task.fast], limits, repeats, method=method)
+            copy_slow, copy_fast = r["verdicts"]
+            if copy_slow.runtime is None or copy_fast.runtime is None:
+                raise RuntimeError(f"task {task.name!r}: a copy of a reference failed while calibrating the timing "
+                                   f"({copy_slow.status}: {copy_slow.message}; {copy_fast.status}: "
+                                   f"{copy_fast.message}); raise the limits or check the task")
+            slow_self.append(r["slow"].runtime / copy_slow.runtime)
+            fast_self.append(r["fast"].runtime / copy_fast.runtime)
+        _CALIBRATION[key] = {"slow_self": slow_self, "fast_self": fast_self, "seconds": time.perf_counter() - t0,
+                             "floors": (noise_floor(slow_self, margin), noise_floor(fast_self, margin))}
+    return _CALIBRATION[key]
 
 
 # ----------------------------------------------------------------------------------------

@@ -29,22 +29,28 @@ Isolation, the strongest the platform gives (`isolation()` says which one is in 
 Every mode: a minimal environment (no variable of the trainer's), `python -I -S` (no site
 packages, no PYTHON* variables, standard library only), rlimits on address space
 (RLIMIT_AS), CPU time, process count (RLIMIT_NPROC), file size and core dumps; a wall-clock
-limit per call and per run enforced by the judge, which kills the whole process group, the
+limit per call and per run enforced by the judge (extended by the time the program waited for
+a CPU held by other load, at most LOAD_GRACE times), which kills the whole process group, the
 pid namespace (by killing its init) or, in "process" mode, every process of the sandbox uid.
 
-What the candidate cannot do: patch the clock (timing is the judge's wall clock around the
-round trip, input decoding included), patch the comparison (expected outputs never leave the
-judge; replies are parsed as plain JSON, so no candidate __eq__ ever runs in the judge),
+What the candidate cannot do: patch the clock (timing is read by the judge: the kernel's
+account of the CPU time of the candidate's process during a call, input decoding included, or
+the judge's wall clock around the round trip; see `timed_call`), patch the comparison
+(expected outputs never leave the judge; replies are parsed as plain JSON, so no candidate
+__eq__ ever runs in the judge),
 report success by exiting early with status 0 (the judge needs one reply per input), see
 inputs before it is called with them, or keep answers from one run to the next (a fresh
 process and scratch directory per run; timing inputs differ between repeats, so memoising
-answers inside a run does not shorten a timed call).
+answers inside a run does not shorten a timed call), or hide work from the CPU-time clock in
+threads or child processes (such a program is timed by wall clock; see `timed_call` for the
+one gap left).
 
 What it does not protect against: kernel exploits or side channels; a candidate that
 computes the answers honestly but special-cases the visible inputs (that is an oracle-quality
-problem, not a sandbox one); timing noise from other load on the machine (reported, not
-removed: references are re-timed in the same interleaved rounds so that drift cancels in
-the speed-up); memory held in page cache or pipes outside RLIMIT_AS. There is no cgroup
+problem, not a sandbox one); timing noise from other load on the machine (reduced, not
+removed: the CPU-time clock leaves out time spent waiting for a CPU, the programs of a round
+share one CPU, references are re-timed in the same interleaved rounds, and rlpf.py calibrates
+a noise floor per task); memory held in page cache or pipes outside RLIMIT_AS. There is no cgroup
 (total memory of a fork tree is bounded only by RLIMIT_AS x RLIMIT_NPROC).
 """
 
@@ -74,9 +80,10 @@ class Limits:
     """Resource limits of one sandboxed run."""
 
     call_s: float = 2.0
-    """wall-clock seconds allowed for one call (and for compiling the program)"""
+    """wall-clock seconds allowed for one call (and for compiling the program), plus the time the program waited
+    for a CPU held by other load (at most LOAD_GRACE x call_s more)"""
     run_s: float = 20.0
-    """wall-clock seconds allowed for the whole run (all calls)"""
+    """wall-clock seconds allowed for the whole run (all calls), extended by load in the same way"""
     cpu_s: int = 20
     """CPU seconds of the child (RLIMIT_CPU)"""
     memory_mb: int = 256
@@ -258,6 +265,8 @@ class Proc:
     setup_done: bool = False
     buf: bytes = b""
     eof: set = field(default_factory=set)
+    sched_start: tuple | None = None
+    """the kernel's accounting of the process at its first timed call (`timed_call`)"""
 
 
 _ISOLATION: dict = {}
@@ -317,11 +326,12 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
             raise RuntimeError(f"sandbox ({mode}) could not start: {frame.get('status')} {frame.get('msg')} "
                                f"{p.out['stderr'].decode(errors='replace')[-500:]}".strip())
     p.setup_done = True
+    waited0 = _run_delay(p.inner_pid)
     try:
         sent = _send(p, source, limits.call_s)
     except OSError:
         sent = True  # the child is gone; _reply says why
-    return p, (_reply(p, limits, limits.call_s) if sent else _timed_out(p, limits.call_s))
+    return p, (_reply(p, limits, limits.call_s, waited0) if sent else _timed_out(p, limits.call_s))
 
 
 def _count_processes(uid: int) -> int:
@@ -353,9 +363,35 @@ def _send(p: Proc, obj, timeout: float) -> bool:
     return True
 
 
-def _reply(p: Proc, limits: Limits, timeout: float) -> dict:
-    """Wait for one reply frame, draining stdout/stderr; a dict with 'status' (or 'pid'), never raises."""
-    deadline = min(time.monotonic() + timeout, p.deadline)
+LOAD_GRACE = 2.0
+"""A call's (and a run's) wall-clock limit is extended by the time the program stood in a run queue while other
+load had the CPU, by at most this many times the limit: machine load alone does not time a program out."""
+
+
+def _run_delay(pid: int) -> int | None:
+    """Nanoseconds the process has waited in a run queue since it started (/proc/<pid>/schedstat); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _deadline(p: Proc, t0: float, timeout: float, waited0: int | None) -> float:
+    """When a reply awaited since t0 is late: t0 + timeout and the run's deadline, each extended by the process's
+    run-queue wait (since t0, and since it started), at most LOAD_GRACE times the limit."""
+    waited = _run_delay(p.inner_pid) if p.inner_pid and waited0 is not None else None
+    if waited is None:
+        return min(t0 + timeout, p.deadline)
+    call_extra = min((waited - waited0) * 1e-9, LOAD_GRACE * timeout)
+    return min(t0 + timeout + call_extra, p.deadline + min(waited * 1e-9, LOAD_GRACE * p.run_s))
+
+
+def _reply(p: Proc, limits: Limits, timeout: float, waited0: int | None = None) -> dict:
+    """Wait for one reply frame, draining stdout/stderr; a dict with 'status' (or 'pid'), never raises.
+    `waited0`: the process's run-queue wait when the wait began, to extend the limits by load (`_deadline`)."""
+    t0 = time.monotonic()
+    deadline = min(t0 + timeout, p.deadline)
     sel = selectors.DefaultSelector()
     sel.register(p.rfd, selectors.EVENT_READ, "reply")
     for name, f in (("stdout", p.popen.stdout), ("stderr", p.popen.stderr)):
@@ -380,7 +416,10 @@ def _reply(p: Proc, limits: Limits, timeout: float) -> dict:
                     return reply
             left = deadline - time.monotonic()
             if left <= 0:
-                return _timed_out(p, timeout)
+                deadline = _deadline(p, t0, timeout, waited0)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return _timed_out(p, timeout)
             for key, _ in sel.select(left):
                 try:
                     chunk = os.read(key.fd, 1 << 16)
@@ -436,14 +475,75 @@ def call(p: Proc, args: tuple, limits: Limits) -> tuple[dict, float]:
     """Call the candidate's entry point on `args`; the reply and the round-trip wall time in seconds."""
     if p.done:
         return {"status": "runtime_error", "msg": "the program is no longer running"}, 0.0
+    waited0 = _run_delay(p.inner_pid) if p.inner_pid else None
     t0 = time.perf_counter()
     try:
         if not _send(p, tuple(args), limits.call_s):
             return _timed_out(p, limits.call_s), time.perf_counter() - t0
     except OSError:
         return _died(p, limits), 0.0
-    reply = _reply(p, limits, limits.call_s)
+    reply = _reply(p, limits, limits.call_s, waited0)
     return reply, time.perf_counter() - t0
+
+
+CLOCKS = ("cpu", "wall")
+"""What a timed call counts. cpu: the CPU time the candidate's process used during the call, from the kernel's
+scheduler accounting (/proc/<pid>/schedstat, nanoseconds), read by the judge; wall: the judge's round trip."""
+
+
+def _sched(pid: int) -> tuple | None:
+    """(ns the process's main thread spent on a CPU, threads, clock ticks of CPU of all its threads (exited ones
+    included), clock ticks of its reaped children, whether it has live children), from /proc; None when that
+    cannot be read (the process is gone, or the kernel keeps no scheduler accounting)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            on_cpu = int(f.read().split()[0])
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3 (state) of proc(5)
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = bool(f.read().strip())
+        return on_cpu, int(fields[17]), int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14]), children
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def timed_call(p: Proc, args: tuple, limits: Limits, clock: str = "cpu") -> tuple[dict, float, float | None]:
+    """`call`, plus the count `clock` asks for: (reply, wall seconds, counted seconds or None).
+
+    cpu: the CPU seconds the candidate's process spent during the call (its own work, in user and kernel mode,
+    decoding the input and encoding the reply included), read by the judge from the kernel before and after;
+    time the process waited for a CPU while other load ran, or was blocked, is not counted. Sound only for one
+    single-threaded process that does all its work itself, so the count is None (the caller falls back to wall
+    time for that program) when, at the end of the call, it has a second thread or a live child, when its reaped
+    children or its exited threads have used CPU since its first timed call (seen in clock ticks), in the
+    "process" isolation mode (the network and the machine's other processes are in reach there), and when the
+    accounting cannot be read. Left open: helpers that start and end within calls and use less than about one
+    clock tick (10 ms) in all the timed calls together.
+    """
+    usable = clock == "cpu" and p.inner_pid and p.mode != "process"
+    before = _sched(p.inner_pid) if usable else None
+    reply, wall = call(p, args, limits)
+    after = _sched(p.inner_pid) if before is not None else None
+    if before is None or after is None:
+        return reply, wall, None
+    first = p.sched_start = p.sched_start or before  # checked over all timed calls so far, so that ticks add up
+    others = (after[2] - first[2]) * TICK_S > (after[0] - first[0]) * 1e-9 + TICK_S  # CPU beyond the main thread's
+    if after[1] != 1 or after[4] or after[3] != first[3] or others:
+        return reply, wall, None
+    return reply, wall, (after[0] - before[0]) * 1e-9
+
+
+def pin(p: Proc, cpu: int) -> None:
+    """Run the candidate's process on one CPU from now on (all programs of a timing round share one, so that a
+    CPU slowed by its neighbours slows them alike); a no-op where that is not allowed."""
+    try:
+        if p.inner_pid and not p.done:
+            os.sched_setaffinity(p.inner_pid, {cpu})
+    except OSError:
+        pass
 
 
 def kill(p: Proc) -> None:
@@ -537,21 +637,28 @@ class Verdict:
     status: str
     message: str = ""
     runtime: float | None = None
-    """median timed call in seconds (correct programs that were timed)"""
+    """the statistic (min or median) of the timed calls, in seconds (correct programs that were timed)"""
     times: list = field(default_factory=list)
-    """every timed call, in seconds"""
+    """every timed call as counted by `clock`, in seconds"""
+    wall_times: list = field(default_factory=list)
+    """every timed call's round trip, in seconds"""
+    clock: str = ""
+    """what `times` count: 'cpu' or 'wall' (asked for, or the fallback for a program the cpu count cannot judge)"""
+    floors: tuple = (1.0, 1.0)
+    """noise floors of its speed-ups against the slow baseline and against the fast reference (set by the caller
+    from a calibration, rlpf.py: speed-ups within these factors of 1 earn no speed credit); (1, 1): none"""
     stdout: str = ""
     stderr: str = ""
 
 
 def run_program(source: str | None, tests: list, expected: list, limits: Limits, timing: list = (),
-                timing_expected: list = (), entry: str = "solve") -> Verdict:
+                timing_expected: list = (), entry: str = "solve", clock: str = "cpu") -> Verdict:
     """Judge one program on `tests` (args tuples) against `expected`, then time it once on each `timing` input.
 
     Every timing output is checked too. Use `measure` to time several programs against references.
     """
     verdicts = measure([source], tests, expected, timing, timing_expected, limits, repeats=1 if timing else 0,
-                       entry=entry)
+                       entry=entry, clock=clock)
     return verdicts[0]
 
 
@@ -574,18 +681,31 @@ def _check_reply(reply: dict, want) -> tuple[str, str]:
     return "ok", ""
 
 
+STATISTICS = {"min": min, "median": statistics.median}
+"""A program's runtime from its timed rounds. min: load and interrupts only ever add time, so the fastest round
+is the least disturbed one; median: the previous method's."""
+
+
 def measure(sources: list, tests: list, expected: list, timing: list, timing_expected: list, limits: Limits,
-            repeats: int = 3, entry: str = "solve", time_wrong_outputs: bool = False) -> list[Verdict]:
+            repeats: int = 3, entry: str = "solve", time_wrong_outputs: bool = False, clock: str = "cpu",
+            statistic: str = "min", pin_rounds: bool = True) -> list[Verdict]:
     """Judge several programs and time the correct ones in the same interleaved measurement.
 
     Each program runs in its own sandbox: the correctness tests first (they double as warm-up),
     then one warm-up call on timing[0], then `repeats` rounds; round r times every surviving
     program once on timing[1 + ((r - 1) % (len(timing) - 1))] (distinct inputs per round defeat
-    answer caches), in a shuffled order. A program's runtime is the median of its rounds.
+    answer caches), in a shuffled order, so that the programs of one round see the same load;
+    with `pin_rounds` every program of a round runs on the same CPU (drawn per round). A call
+    counts `clock` ('cpu': the candidate process's CPU time, see `timed_call`; 'wall': the round
+    trip); a program whose cpu count cannot be trusted on some call (threads, child processes)
+    is counted by wall time on every call. `times[r - 1]` is round r's count, so that programs
+    can be compared round by round; `runtime` is the `statistic` ('min' or 'median') of them.
     Pass the slow and fast references among `sources` so that they are re-timed in the same rounds.
     With `time_wrong_outputs`, programs that run but give wrong outputs are timed too (for an
     ungated speed reward); their status stays wrong_output.
     """
+    if clock not in CLOCKS or statistic not in STATISTICS:
+        raise ValueError(f"clock {clock!r} / statistic {statistic!r}: expected one of {CLOCKS} / {list(STATISTICS)}")
     expected = [canonical(e) for e in expected]
     timing_expected = [canonical(e) for e in timing_expected]
     verdicts: list = [None] * len(sources)
@@ -593,7 +713,7 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
 
     def failed(i, status, msg):  # the first failure is the verdict; a wrong-output program keeps its timings
         v = verdicts[i] if verdicts[i] is not None and verdicts[i].status == "wrong_output" else None
-        verdicts[i] = _fail(procs.pop(i), status, msg) if v is None else _finish(procs.pop(i), v)
+        verdicts[i] = _fail(procs.pop(i), status, msg) if v is None else _finish(procs.pop(i), v, statistic)
 
     try:
         for i, source in enumerate(sources):
@@ -615,12 +735,16 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
                     break
         if repeats and timing:
             order_rng = random.Random(len(sources))
+            cpus = sorted(os.sched_getaffinity(0))
             for r in range(repeats + 1):  # round 0 is the warm-up
                 k = 0 if r == 0 else 1 + (r - 1) % max(len(timing) - 1, 1)
                 order = list(procs)
                 order_rng.shuffle(order)
+                cpu = order_rng.choice(cpus)
                 for i in order:
-                    reply, seconds = call(procs[i], timing[k], limits)
+                    if pin_rounds:
+                        pin(procs[i], cpu)
+                    reply, seconds, counted = timed_call(procs[i], timing[k], limits, clock)
                     status, msg = _check_reply(reply, timing_expected[k])
                     if status == "wrong_output" and time_wrong_outputs:
                         verdicts[i] = verdicts[i] or Verdict("wrong_output", msg)
@@ -629,18 +753,21 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
                         continue
                     if r > 0:
                         verdicts[i] = verdicts[i] or Verdict("correct")
-                        verdicts[i].times.append(seconds)
+                        v = verdicts[i]
+                        v.wall_times.append(seconds)
+                        v.clock = "wall" if counted is None or v.clock == "wall" else clock
+                        v.times = list(v.wall_times) if v.clock == "wall" else v.times + [counted]
         for i in list(procs):
-            verdicts[i] = _finish(procs.pop(i), verdicts[i] or Verdict("correct"))
+            verdicts[i] = _finish(procs.pop(i), verdicts[i] or Verdict("correct"), statistic)
     finally:
         for p in procs.values():
             kill(p)
     return verdicts
 
 
-def _finish(p: Proc, v: Verdict) -> Verdict:
+def _finish(p: Proc, v: Verdict, statistic: str = "min") -> Verdict:
     if v.times:
-        v.runtime = statistics.median(v.times)
+        v.runtime = STATISTICS[statistic](v.times)
     kill(p)
     v.stdout, v.stderr = (p.out[k].decode(errors="replace") for k in ("stdout", "stderr"))
     return v

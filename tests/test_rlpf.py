@@ -64,6 +64,44 @@ def test_dmc_collapsed_reward_and_the_ungated_ablation():
     assert rlpf.program_reward("staged", "correct", fast, T_B, T_R) == rlpf.staged_reward("correct", fast, T_B, T_R)
 
 
+def test_credited_speedup_and_noise_floors_with_hand_values():
+    from common.code_tasks import noise_floor, paired_speedup
+
+    # paired: the median over rounds of the per-round ratio (a round disturbed for one program does not count)
+    assert paired_speedup([50, 52, 90, 51, 50], [25, 26, 20, 25.5, 26]) == pytest.approx(2.0)
+    assert paired_speedup([10, 10], [10, 40]) == pytest.approx(0.5)  # even count: geometric middle, 1 x 1/4
+    # the floor: exp(margin * largest |log s|) over the copies' self-speed-ups
+    assert noise_floor([1.0, 1.03, 0.98], 2.0) == pytest.approx(1.03**2)
+    assert noise_floor([0.9, 1.05], 1.5) == pytest.approx((1 / 0.9) ** 1.5)
+    with pytest.raises(ValueError):
+        noise_floor([1.0], 0.5)
+    # credited: 1 inside [1/f, f], shrunk by f outside
+    assert [rlpf.credited_speedup(s, 1.25) for s in (1.0, 1.2, 1 / 1.2, 1.25, 2.5, 0.4)] == \
+        pytest.approx([1.0, 1.0, 1.0, 1.0, 2.0, 0.5])
+    # the reward: within the slow floor no FBR and no CGRE; beyond it, CGRE of the credited speed-up
+    assert rlpf.staged_reward("correct", T_B / 1.2, T_B, T_R, floors=(1.25, 1.0)) == pytest.approx(0.15)
+    cgre = (T_B - T_B / 2.0) / (T_B - T_R)  # raw 2.5x with floor 1.25 -> credited 2x
+    assert rlpf.staged_reward("correct", T_B / 2.5, T_B, T_R, floors=(1.25, 1.0)) == pytest.approx(cgre + 0.16)
+    # RBR: within tolerance x the fast floor of T_r, whatever the slow floor
+    assert rlpf.speed_terms(1.5 * T_R, T_B, T_R, 1.02, (1.25, 1.5))[2] == 1.0
+    assert rlpf.speed_terms(1.6 * T_R, T_B, T_R, 1.02, (1.25, 1.5))[2] == 0.0
+    assert rlpf.dmc_reward("correct", T_B / 1.25, T_B, T_B / 1.44, floors=(1.0, 1.0)) == 1.0  # >= sqrt(1.44)
+    assert rlpf.dmc_reward("correct", T_B / 1.25, T_B, T_B / 1.44, floors=(1.1, 1.0)) == -1.0  # 1.14 credited
+    # floors (1, 1): the papers' formula exactly
+    for t in RUNTIMES[1:]:
+        paper = max(0.15, min(max((T_B - t) / (T_B - T_R), 0), 1) + 0.16 * (t < T_B) + 0.10 * (t <= 1.02 * T_R))
+        assert rlpf.staged_reward("correct", t, T_B, T_R) == pytest.approx(paper)
+
+
+def test_timing_flags_with_nonsense_values_stop_with_one_line():
+    for flags in (["--timing-repeats", "0"], ["--calibration-scorings", "0"], ["--noise-floor-margin", "0.5"],
+                  ["--call-timeout", "0"], ["--memory-mb", "0"], ["--rbr-tolerance", "0.9"]):
+        for extra in ([], ["--score-file", "nonexistent.py"]):
+            with pytest.raises(SystemExit) as e:
+                rlpf.main(tyro.cli(rlpf.Args, args=flags + extra))
+            assert str(e.value).startswith(f"error: {flags[0]} ") and "\n" not in str(e.value), (flags, e.value)
+
+
 def score(tmp_path, source: str, task: str = "sum_range") -> dict:
     path = tmp_path / "candidate.py"
     path.write_text(source)
@@ -88,6 +126,19 @@ def test_score_file_judges_slow_fast_and_broken_programs(tmp_path):
         score(tmp_path, TASKS["sum_range"].fast, task="nope")
 
 
+def test_an_equal_speed_candidate_earns_no_speed_credit(tmp_path):
+    """The slow baseline's own program, as a candidate, against the baseline re-timed in the same rounds (and the
+    noise floor calibrated in this process): no FBR, no CGRE, whatever this machine's speed. Old timing gave about
+    half of such scorings FBR (the 0.16 step); one credited scoring in 5 is allowed for a rare noise tail."""
+    from common.code_tasks import TASKS
+
+    slow = TASKS["sum_range"].slow
+    scored = [score(tmp_path, slow) for _ in range(5)]
+    assert all(x["status"] == "correct" for x in scored)
+    credited = [x for x in scored if x["reward"] > rlpf.CORRECT_FLOOR]
+    assert len(credited) <= 1, [(x["speedup"], x["reward"]) for x in scored]
+
+
 def test_score_file_command_exits_zero_whatever_the_candidate_does(tmp_path):
     path = tmp_path / "evil.py"
     path.write_text("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos._exit(3)\n")
@@ -106,7 +157,9 @@ def test_help_documents_every_flag():
 
 
 def test_short_run_trains_and_logs_code_metrics(tmp_path):
-    args = tyro.cli(rlpf.Args, args=["--num-prompts", "2", "--group-size", "4", "--total-steps", "2",
+    # groups of 8: the warm-started model mixes slow, fast and broken programs, so some group's rewards differ (equal
+    # programs get equal rewards now that timing noise earns no credit; a group of 4 was often uniform)
+    args = tyro.cli(rlpf.Args, args=["--num-prompts", "2", "--group-size", "8", "--total-steps", "2",
                                      "--tasks", "sum_range", "has_duplicate",
                                      "--eval-samples", "2", "--max-new-tokens", "64", "--output-dir", str(tmp_path),
                                      "--run-name", "smoke", "--timing-repeats", "1"])
@@ -121,6 +174,7 @@ def test_short_run_trains_and_logs_code_metrics(tmp_path):
     for r in train:
         assert math.isfinite(r["reward/mean"]) and -0.05 <= r["reward/mean"] <= 1.26
         assert abs(sum(r[f"train/status/{s}"] for s in ("correct",) + FAILURES) - 1) < 1e-9
+    assert any(r["adv/frac_zero_std"] < 1 for r in train)  # a group with distinct rewards: the update has a signal
     assert "eval/pass_rate" in out["after"] and "eval/greedy_pass_rate" in out["after"]
     after = load_model(str(tmp_path / "smoke" / "checkpoint")).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -243,8 +243,54 @@ def solve(n):
         _sleep(0.05)
     return 3 * n
 """
-    v = sandbox.run_program(src, TESTS, EXPECTED, LIMITS, TIMING, TIMING_EXPECTED)
+    v = sandbox.run_program(src, TESTS, EXPECTED, LIMITS, TIMING, TIMING_EXPECTED, clock="wall")
     assert v.status == "correct" and v.runtime >= 0.05
+    # the cpu clock is the kernel's account of the process, read by the judge: patching it in the child changes
+    # nothing either (the same work with and without the patch, timed in the same rounds)
+    work = "def solve(n):\n    t = 0\n    for i in range(5 * n):\n        t += 3\n    return t // 5\n"
+    patched = src.split("def solve")[0] + work
+    plain, cheat = sandbox.measure([work, patched], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=3)
+    clock = "cpu" if namespaced() else "wall"  # process mode: the network is in reach, so wall time only
+    assert plain.clock == cheat.clock == clock and cheat.runtime > 0.5 * plain.runtime > 0
+
+
+def test_cpu_clock_counts_the_programs_work_not_its_waiting():
+    if not namespaced():
+        pytest.skip("process mode times by wall clock (see sandbox.timed_call)")
+    sleeper = "import time\ndef solve(n):\n    time.sleep(0.05)\n    return 3 * n\n"
+    worker = "def solve(n):\n    t = 0\n    for i in range(5 * n):\n        t += 3\n    return t // 5\n"
+    sleep, work = sandbox.measure([sleeper, worker], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=3)
+    assert sleep.clock == work.clock == "cpu" and len(sleep.times) == len(sleep.wall_times) == 3
+    assert min(sleep.wall_times) >= 0.05 and max(sleep.times) < 0.5 * min(sleep.wall_times)  # asleep: not work
+    assert work.runtime == min(work.times) > 0 and all(c <= w for c, w in zip(work.times, work.wall_times))
+
+
+def test_a_program_with_threads_or_child_processes_is_timed_by_wall_clock():
+    # a helper could work while the main thread waits: the cpu count of one process would not see that work
+    thread = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n" \
+             "def solve(n):\n    return 3 * n\n"
+    child = "import os\ndef solve(n):\n    pid = os.fork()\n    if pid == 0:\n        s = 0\n" \
+            "        for i in range(n):\n            s += i\n        os._exit(0)\n    os.waitpid(pid, 0)\n" \
+            "    return 3 * n\n"
+    joined = "import threading\ndef work(n):\n    s = 0\n    for i in range(n):\n        s += i\n" \
+             "def solve(n):\n    t = threading.Thread(target=work, args=(n,))\n    t.start()\n    t.join()\n" \
+             "    return 3 * n\n"  # the thread is gone when the call returns; its CPU time is not
+    alone = "def solve(n):\n    return 3 * n\n"
+    verdicts = sandbox.measure([thread, child, joined, alone], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS,
+                               repeats=3)
+    for v, clock in zip(verdicts, ("wall", "wall", "wall", "cpu" if namespaced() else "wall")):
+        assert v.status == "correct" and v.clock == clock and len(v.times) == 3
+        if clock == "wall":
+            assert v.times == v.wall_times
+
+
+def test_the_programs_of_a_timing_round_share_one_cpu():
+    src = "import os\ndef solve(n):\n    print(n, sorted(os.sched_getaffinity(0)))\n    return 3 * n\n"
+    a, b = sandbox.measure([src, src + "# a copy\n"], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=3)
+    seen = [dict(line.split(" ", 1) for line in v.stdout.splitlines()) for v in (a, b)]
+    for args in TIMING:  # the warm-up and the 3 rounds, one input each
+        n = str(args[0])
+        assert seen[0][n] == seen[1][n] and len(json.loads(seen[0][n])) == 1, (n, seen)
 
 
 def test_tampering_with_equality_or_the_reply_channel_is_caught():
