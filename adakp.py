@@ -191,7 +191,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True)
+                                              with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -451,12 +451,14 @@ def main(args: Args) -> dict:
         with timed(times, "logprobs"):
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
             weigh = args.correction != "none"
-            old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature, args.micro_batch_size)
+            old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature,
+                                            args.micro_batch_size, args.share_prompt)
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)
             hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
             if weigh and max_over_ranks(int(hinted_B.any()), model):  # --fsdp: on every rank if any shows KPs
-                hint_logp_BC = batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                hint_logp_BC = batched_logprobs(model, rollouts, args.temperature,
+                                                args.micro_batch_size, args.share_prompt)
                 w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
                                                                              args.is_clip_min), w_BC)
             batch = dict(input_ids_BT=train_rollouts.input_ids_BT, attention_mask_BT=train_rollouts.attention_mask_BT,
@@ -464,7 +466,8 @@ def main(args: Args) -> dict:
                          sampler_logp_BC=rollouts.sampler_logp_BC if not weigh else None,
                          old_logp_BC=old_logp_BC if needs_old else None,
                          ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature,
-                                                      args.micro_batch_size) if ref_model is not None else None)
+                                                      args.micro_batch_size, args.share_prompt)
+                         if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):

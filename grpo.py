@@ -156,7 +156,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True)
+                                              with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -239,9 +239,11 @@ def main(args: Args) -> dict:
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
                          sampler_logp_BC=rollouts.sampler_logp_BC,
-                         old_logp_BC=batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+                         old_logp_BC=batched_logprobs(model, rollouts, args.temperature,
+                                                      args.micro_batch_size, args.share_prompt)
                          if needs_old else None,
-                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
+                                                      args.micro_batch_size, args.share_prompt)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched

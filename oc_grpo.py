@@ -223,7 +223,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True)
+                                              with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -291,7 +291,8 @@ def hint_weights(model, old_logp_BC, rows: list, guided: list[int], width: int, 
     many rows as the busiest one (copies of row 0, discarded), since each forward is a collective."""
     padded = guided + [0] * (max_over_ranks(len(guided), model) - len(guided))
     hint = attach([rows[b][0] for b in padded], [rows[b][1] for b in padded], pad_id, width)
-    hint_logp_BC = batched_logprobs(model, hint, args.temperature, args.micro_batch_size)[: len(guided)]
+    hint_logp_BC = batched_logprobs(model, hint, args.temperature,
+                                    args.micro_batch_size, args.share_prompt)[: len(guided)]
     return importance_weights(old_logp_BC[guided], hint_logp_BC, hint.completion_mask_BC[: len(guided)],
                               args.correction, args.is_clip_min)
 
@@ -401,7 +402,7 @@ def main(args: Args) -> dict:
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
             guided_rows = guided_B.nonzero().flatten()
             weigh = not hinted and args.correction != "none" and max_over_ranks(len(guided_rows), model) > 0
-            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)
             if weigh:  # --fsdp: on every rank when any rank has guided rows
@@ -411,7 +412,8 @@ def main(args: Args) -> dict:
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_BC,
                          old_logp_BC=old_logp_BC if needs_old else None,
-                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
+                                                      args.micro_batch_size, args.share_prompt)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched

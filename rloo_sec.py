@@ -164,7 +164,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True)
+                                              with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -328,11 +328,12 @@ def main(args: Args) -> dict:
         with timed(times, "logprobs"):
             needs_old = (args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
                          or rollouts.sampler_logp_BC is not None)
-            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size)
+            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
                            if needs_old else None)
             mismatch = ({} if rollouts.sampler_logp_BC is None else  # a separate sampler (vllm) against the trainer
                         sampler_mismatch(old_logp_BC, rollouts.sampler_logp_BC, rollouts.completion_mask_BC))
-            ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature, args.micro_batch_size)
+            ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature,
+                                            args.micro_batch_size, args.share_prompt)
                            if ref_model is not None else None)
 
         # ALGO LOGIC: 4. leave-one-out advantages (all-equal groups get exactly 0), KL folded into the reward

@@ -9,6 +9,10 @@ max new tokens, learning rate 5e-5 (constant, AdamW, no weight decay), token-mea
 'dapo'), group-std advantages, one update per batch, beta = 0, temperature 1, top_p 1, top_k off.
 Three settings: the 1M testbed model with its natural 2-3 token answers, and the 1M and 10M
 models forced to 32 new tokens (their eos is a token they never produce, see bench_models.py).
+A fourth, run on its own (--settings smollm2, writes benchmarks/trl_throughput_smollm2.md): a real pretrained
+model, SmolLM2-135M-Instruct, on 8 testbed-nl level-2 questions x 8 samples x 64 new tokens (GSM8K-like: an
+80-token chat prompt, answers in words), with grpo.py also under --share-prompt (each group's prompt through the
+model once in the update).
 
 Each measurement is its own subprocess (so peak resident memory is its own), the workers
 alternate within each repeat, and the reported step time is the median over steps after two
@@ -33,7 +37,14 @@ sys.path.insert(0, ROOT)
 PROMPTS, GROUP, LR, WARMUP = 8, 8, 5e-5, 2
 SETTINGS = [("1M, natural answers (max 8)", "1M", 8), ("1M, 32 forced tokens", "1M-forced", 32),
             ("10M, 32 forced tokens", "10M-forced", 32)]
+SMOLLM2 = [("SmolLM2-135M-Instruct, testbed-nl level 2, 64 new tokens", "smollm2", 64)]
 WORKERS = ["ours:hf_generate", "trl:hf", "ours:hf", "ours:vllm", "raw"]
+SMOLLM2_WORKERS = ["ours:hf", "ours:hf+share", "trl:hf", "raw"]
+
+
+def dataset_of(model_dir: str) -> tuple[str, tuple]:
+    """The prompts a setting trains on: testbed level 3 for the testbed models, testbed-nl level 2 for SmolLM2."""
+    return ("testbed-nl", (2,)) if "smollm2" in os.path.basename(model_dir) else ("testbed", (3,))
 
 
 def peak_rss_mb() -> float:
@@ -46,11 +57,15 @@ def run_ours(model_dir, max_new, steps, backend):
     import grpo
     from common.logger import read_metrics
 
+    dataset, levels = dataset_of(model_dir)
+    flags = ["--share-prompt"] if backend.endswith("+share") else []
     out = grpo.main(tyro.cli(grpo.Args, args=[
+        *flags, "--dataset", dataset, "--levels", *map(str, levels), "--log-samples", "0",
         "--model-name", model_dir, "--num-prompts", str(PROMPTS), "--group-size", str(GROUP),
         "--max-new-tokens", str(max_new), "--learning-rate", str(LR), "--micro-batch-size", str(PROMPTS * GROUP),
         "--total-steps", str(steps), "--eval-every", "0", "--num-eval-problems", "8", "--eval-samples", "0",
-        "--rollout-backend", backend, "--output-dir", "runs/benchmarks", "--run-name", f"trl_cmp_{os.getpid()}"]))
+        "--rollout-backend", backend.removesuffix("+share"), "--output-dir", "runs/benchmarks",
+        "--run-name", f"trl_cmp_{os.getpid()}"]))
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
     return [r["perf/step_time"] for r in rows]
 
@@ -66,7 +81,7 @@ def run_trl(model_dir, max_new, steps, backend):
     from common.verifiers import score
 
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
-    problems = load_problems("testbed", "train", (3,), 0, 1)
+    problems = load_problems(*dataset_of(model_dir), 0, 1)
     by_answer = {p.question: p for p in problems}
     ds = Dataset.from_dict({"prompt": [render_prompt(p, tok) for p in problems], "question": [p.question for p in problems]})
 
@@ -107,7 +122,7 @@ def run_raw(model_dir, max_new, steps, backend):
     from common.rollout import left_pad
 
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
-    problems = load_problems("testbed", "train", (3,), PROMPTS, 1)
+    problems = load_problems(*dataset_of(model_dir), PROMPTS, 1)
     rows = [p for p in encode_prompts(tok, [render_prompt(q, tok) for q in problems], 0) for _ in range(GROUP)]
     ids, mask = left_pad(rows, tok.pad_token_id)
     config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new,
@@ -155,10 +170,15 @@ def main():
     p.add_argument("--worker", default="")
     p.add_argument("--model-dir", default="")
     p.add_argument("--max-new", type=int, default=8)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_throughput.md"))
+    p.add_argument("--out", default="")
+    p.add_argument("--settings", choices=["testbed", "smollm2"], default="testbed",
+                   help="testbed: the three testbed settings; smollm2: the real model alone (slow: about a minute a step)")
     cli = p.parse_args()
     if cli.worker:
         return worker(cli)
+    if cli.settings == "smollm2":
+        return main_smollm2(cli)
+    cli.out = cli.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_throughput.md")
 
     from benchmarks.bench_models import bench_models
 
@@ -206,6 +226,42 @@ def main():
         lines.append(f"{label} | {w}: {rs}")
     lines.append("```")
     open(cli.out, "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main_smollm2(cli) -> None:
+    """The real-model setting: each worker its own subprocess, alternating within each repeat."""
+    from common.pretrained import ensure_pretrained_model
+
+    model_dir, (label, _, max_new) = ensure_pretrained_model("smollm2-135m-instruct"), SMOLLM2[0]
+    t_start, results = time.time(), {w: [] for w in SMOLLM2_WORKERS}
+    for rep in range(cli.repeats):
+        for w in SMOLLM2_WORKERS:
+            results[w].append(measure(w, model_dir, max_new, cli.steps, cli.threads))
+            print(f"repeat {rep + 1} | {w}: {results[w][-1]}", flush=True)
+
+    def med(w, field="step_time"):
+        vals = [r[field] for r in results[w] if field in r]
+        return statistics.median(vals) if vals else float("nan")
+
+    ours, shared, trl, raw = (med(w) for w in SMOLLM2_WORKERS)
+    lines = [
+        "# GRPO throughput on a real model: tinypost vs TRL GRPOTrainer, SmolLM2-135M-Instruct", "",
+        f"`python benchmarks/trl_throughput.py --settings smollm2 --repeats {cli.repeats} --steps {cli.steps}`, "
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, {os.cpu_count()} cores, {cli.threads} torch threads, "
+        f"{(time.time() - t_start) / 60:.0f} minutes. {label}: {PROMPTS} prompts x {GROUP} samples per step, float32 "
+        f"(this CPU has no native bfloat16), HF generate for TRL and raw, grpo.py's own sampling loop. Step time = "
+        f"median over steps {WARMUP + 1}..{cli.steps}, then median over {cli.repeats} alternating repeats (s/step; lower "
+        "is better); the machine was shared with other jobs, so compare within a row.", "",
+        "| TRL, HF generate | ours, hf | ours, hf + --share-prompt | raw: generate + fwd/bwd | TRL / ours | "
+        "TRL / ours shared | ours shared / raw | peak RSS TRL / ours / shared (MB) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {trl:.1f} | {ours:.1f} | {shared:.1f} | {raw:.1f} | {trl / ours:.2f}x | {trl / shared:.2f}x | "
+        f"{shared / raw:.2f}x | {med('trl:hf', 'peak_rss_mb'):.0f} / {med('ours:hf', 'peak_rss_mb'):.0f} / "
+        f"{med('ours:hf+share', 'peak_rss_mb'):.0f} |", "", "Raw measurements (one entry per repeat):", "", "```"]
+    lines += [f"{w}: {rs}" for w, rs in results.items()] + ["```"]
+    out = cli.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_throughput_smollm2.md")
+    open(out, "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -84,6 +84,11 @@ class RunArgs(ExperimentArgs):
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in backward instead of keeping them: far less activation memory
     per micro-batch for about one more forward's time (common.models.enable_gradient_checkpointing)"""
+    share_prompt: bool = False
+    """the update and the no-grad log-prob passes take each group's prompt through the model once and repeat its KV
+    cache for the group's rows: the prompt costs 1/G of a forward and backward (on SmolLM2 with 80-token prompts,
+    benchmarks/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit; it needs a
+    group's rows in one micro-batch (--micro-batch-size a multiple of --group-size) and no --gradient-checkpointing"""
 
     # Filled in at runtime
     batch_size: int = 0

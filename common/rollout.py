@@ -519,7 +519,7 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     model once and its KV cache is repeated for the group's rows, so the prompt costs 1/G of a full forward and
     backward. Gradients through the repeated cache sum over the group, as the full forward's do, but the result is
     not bit-identical to the plain forward (the attention is computed in another order: differences of ~1e-7), so
-    it is off by default and every trainer uses the plain forward.
+    it is off by default: the trainers take it with --share-prompt.
     """
     B, T = input_ids_BT.shape
     C = T - prompt_len
@@ -617,18 +617,20 @@ def token_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperatu
 
 
 def completion_logprobs(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float = 1.0,
-                        with_entropy: bool = False):
+                        with_entropy: bool = False, share_prompt: bool = False):
     """Log-probs of the completion tokens (columns L..T-1, L the prompt length) at the sampling temperature.
 
     Returns (logp_BC, entropy_BC or None); entropy is computed without gradient. The vocabulary-sized work is
     `token_logprobs` on the model's logits (kept in the dtype the LM head returns: bfloat16 under autocast).
+    share_prompt: each group's prompt goes through the model once (`completion_logits`; --share-prompt).
     """
-    logits_BCV = completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len)
+    logits_BCV = completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len, share_prompt)
     return token_logprobs(logits_BCV, input_ids_BT[:, prompt_len:], temperature, with_entropy)
 
 
 @torch.no_grad()
-def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_size: int,
+                     share_prompt: bool = False) -> torch.Tensor:
     """No-grad `completion_logprobs` over the whole batch, `micro_batch_size` rows at a time."""
     device = next(model.parameters()).device
     out = []
@@ -636,7 +638,7 @@ def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_
         logp, _ = completion_logprobs(
             model, rollouts.input_ids_BT[s : s + micro_batch_size].to(device),
             rollouts.attention_mask_BT[s : s + micro_batch_size].to(device), rollouts.prompt_len, temperature,
-        )
+            share_prompt=share_prompt)
         out.append(logp.cpu())
     return torch.cat(out) * rollouts.completion_mask_BC
 

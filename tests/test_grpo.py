@@ -68,6 +68,26 @@ def test_samples_at_eval_steps_and_the_last_step_in_the_file_the_console_and_wan
     assert "completion" in table["columns"] and len(table["data"]) == 3
 
 
+def test_share_prompt_gives_the_plain_update_to_float_rounding(tmp_path, weak_model_dir):
+    """--share-prompt (each group's prompt through the model once) changes the cost, not the update: the same seed
+    gives the same rollouts and rewards, and gradients and weights equal to float rounding (2 PPO epochs, so the
+    old log-probs take the shared path too)."""
+    runs = [grpo.main(_args(tmp_path, "--total-steps", "2", "--num-iterations", "2", "--log-samples", "0",
+                            "--run-name", name, *flags)) for name, flags in (("plain", []),
+                                                                             ("shared", ["--share-prompt"]))]
+    rows = [read_metrics(os.path.join(r["run_dir"], "metrics.jsonl")) for r in runs]
+    for a, b in zip(*[[r for r in x if "reward/mean" in r] for x in rows]):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert b["optim/grad_norm"] == pytest.approx(a["optim/grad_norm"], rel=1e-4)
+    from common.models import load_model
+
+    start = load_model(weak_model_dir).state_dict()
+    w = [load_model(os.path.join(r["run_dir"], "checkpoint")).state_dict() for r in runs]
+    diff = sum((w[0][k] - w[1][k]).pow(2).sum().item() for k in start) ** 0.5
+    update = sum((w[0][k] - start[k]).pow(2).sum().item() for k in start) ** 0.5
+    assert diff < 0.05 * update, (diff, update)  # AdamW divides by sqrt(v): near-zero gradients amplify rounding
+
+
 def test_log_samples_zero_writes_no_samples(tmp_path, weak_model_dir):
     out = grpo.main(_args(tmp_path, "--total-steps", "1", "--log-samples", "0", "--run-name", "nosamples"))
     assert not os.path.exists(os.path.join(out["run_dir"], "samples.jsonl"))
