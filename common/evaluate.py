@@ -9,7 +9,7 @@ import torch
 from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_sum, rank_world
 from common.logger import sample_rows
-from common.verifiers import score
+from common.verifiers import format_reward, score
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -26,7 +26,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0,
              temperature: float = 1.0, pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0,
              top_p: float = 1.0) -> dict:
-    """eval/greedy_accuracy (and per level), eval/sampled_accuracy and eval/pass_at_k when num_samples > 0 (sampled
+    """eval/greedy_accuracy (and per level), eval/format_rate (greedy answers in the task's answer format,
+    common.verifiers.format_reward), eval/truncated_frac (greedy answers cut at max_new_tokens), eval/sampled_accuracy
+    and eval/pass_at_k when num_samples > 0 (sampled
     at `temperature` and `top_p`, as in training); with log_samples > 0 also 'samples/eval': that many greedy answers
     as text (common.logger.sample_rows). A completion cut at max_new_tokens scores 0.
 
@@ -41,8 +43,10 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
     prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in share], max_prompt_tokens)
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
     correct = score(greedy.texts, share, greedy.truncated_B)[:counted]
+    in_format = [format_reward(t, p.task) for t, p in zip(greedy.texts[:counted], share)]
     levels = sorted({p.level for p in problems})
-    sums = [sum(correct), counted]  # greedy: correct, problems; then the same per level; then sampled, pass@k
+    # greedy: correct, problems, in the task's answer format, cut at the cap; then per level; then sampled, pass@k
+    sums = [sum(correct), counted, sum(in_format), greedy.truncated_B[:counted].sum().item()]
     for lv in levels:
         mine = [c for p, c in zip(share, correct) if p.level == lv]
         sums += [sum(mine), len(mine)]
@@ -54,9 +58,10 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
         k = min(pass_k or num_samples, num_samples)
         sums += [sum(per_problem), counted * num_samples, sum(pass_at_k(num_samples, int(x), k) for x in per_problem)]
     total = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()
-    out = {"eval/greedy_accuracy": total[0] / total[1]}
+    out = {"eval/greedy_accuracy": total[0] / total[1], "eval/format_rate": total[2] / total[1],
+           "eval/truncated_frac": total[3] / total[1]}
     if len(levels) > 1:
-        out.update({f"eval/greedy_accuracy/level_{lv}": total[2 + 2 * i] / max(total[3 + 2 * i], 1)
+        out.update({f"eval/greedy_accuracy/level_{lv}": total[4 + 2 * i] / max(total[5 + 2 * i], 1)
                     for i, lv in enumerate(levels)})
     if num_samples > 0:
         n_samples = total[-2]
