@@ -42,6 +42,12 @@ WORKERS = ["ours:hf_generate", "trl:hf", "ours:hf", "ours:vllm", "raw"]
 SMOLLM2_WORKERS = ["ours:hf", "ours:hf+share", "trl:hf", "raw"]
 
 
+def micro_of(model_dir: str) -> int:
+    """Rows per forward/backward: the whole batch for the testbed models; 16 for SmolLM2 (64 rows of 144 tokens in
+    one float32 backward hold about 13 GB of activations), TRL reaching the same batch by gradient accumulation."""
+    return 16 if "smollm2" in os.path.basename(model_dir) else PROMPTS * GROUP
+
+
 def dataset_of(model_dir: str) -> tuple[str, tuple]:
     """The prompts a setting trains on: testbed level 3 for the testbed models, testbed-nl level 2 for SmolLM2."""
     return ("testbed-nl", (2,)) if "smollm2" in os.path.basename(model_dir) else ("testbed", (3,))
@@ -62,7 +68,7 @@ def run_ours(model_dir, max_new, steps, backend):
     out = grpo.main(tyro.cli(grpo.Args, args=[
         *flags, "--dataset", dataset, "--levels", *map(str, levels), "--log-samples", "0",
         "--model-name", model_dir, "--num-prompts", str(PROMPTS), "--group-size", str(GROUP),
-        "--max-new-tokens", str(max_new), "--learning-rate", str(LR), "--micro-batch-size", str(PROMPTS * GROUP),
+        "--max-new-tokens", str(max_new), "--learning-rate", str(LR), "--micro-batch-size", str(micro_of(model_dir)),
         "--total-steps", str(steps), "--eval-every", "0", "--num-eval-problems", "8", "--eval-samples", "0",
         "--rollout-backend", backend.removesuffix("+share"), "--output-dir", "runs/benchmarks",
         "--run-name", f"trl_cmp_{os.getpid()}"]))
@@ -100,7 +106,8 @@ def run_trl(model_dir, max_new, steps, backend):
     extra = dict(use_vllm=True, vllm_mode="colocate") if backend == "vllm" else {}
     cfg = GRPOConfig(
         output_dir=f"runs/benchmarks/trl_{os.getpid()}", use_cpu=True, bf16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP, max_completion_length=max_new,
+        per_device_train_batch_size=micro_of(model_dir), num_generations=GROUP, max_completion_length=max_new,
+        gradient_accumulation_steps=PROMPTS * GROUP // micro_of(model_dir),
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=steps, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="dapo", scale_rewards="group",
         num_iterations=1, disable_dropout=True, logging_steps=1, report_to="none", save_strategy="no", seed=1,
@@ -133,8 +140,10 @@ def run_raw(model_dir, max_new, steps, backend):
         with torch.no_grad():
             seqs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         attn = torch.cat([mask, (seqs[:, ids.shape[1]:] != tok.pad_token_id).long()], 1)
-        logits = model(input_ids=seqs, attention_mask=attn).logits
-        logits.float().logsumexp(-1).mean().backward()
+        micro = micro_of(model_dir)
+        for s in range(0, len(seqs), micro):
+            logits = model(input_ids=seqs[s : s + micro], attention_mask=attn[s : s + micro]).logits
+            logits.float().logsumexp(-1).mean().backward()
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
     return times
@@ -249,7 +258,8 @@ def main_smollm2(cli) -> None:
         "# GRPO throughput on a real model: tinypost vs TRL GRPOTrainer, SmolLM2-135M-Instruct", "",
         f"`python benchmarks/trl_throughput.py --settings smollm2 --repeats {cli.repeats} --steps {cli.steps}`, "
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, {os.cpu_count()} cores, {cli.threads} torch threads, "
-        f"{(time.time() - t_start) / 60:.0f} minutes. {label}: {PROMPTS} prompts x {GROUP} samples per step, float32 "
+        f"{(time.time() - t_start) / 60:.0f} minutes. {label}: {PROMPTS} prompts x {GROUP} samples per step, micro-batches "
+        f"of {micro_of(model_dir)} rows (TRL: gradient accumulation to the same batch), float32 "
         f"(this CPU has no native bfloat16), HF generate for TRL and raw, grpo.py's own sampling loop. Step time = "
         f"median over steps {WARMUP + 1}..{cli.steps}, then median over {cli.repeats} alternating repeats (s/step; lower "
         "is better); the machine was shared with other jobs, so compare within a row.", "",
