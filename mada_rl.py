@@ -250,20 +250,24 @@ def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
 # Deployment: the multi-round debate
 @torch.no_grad()
 def debate(model, engine, tokenizer, problems: list, generators: list[str], critics: list[str], rounds: int,
-           max_new_tokens: int, max_prompt_tokens: int = 0) -> list[list[list[str]]]:
-    """answers[r][a][i]: round r's agent a's greedy answer to problem i (round 0: generators, then critics)."""
-    answers = []
+           max_new_tokens: int, max_prompt_tokens: int = 0) -> tuple[list[list[list[str]]], list[list[list[bool]]]]:
+    """answers[r][a][i]: round r's agent a's greedy answer to problem i (round 0: generators, then critics), and
+    cut[r][a][i]: whether that answer ran to max_new_tokens without a stop token (it scores 0, as in training)."""
+    answers, cut = [], []
     for r in range(rounds):
         texts = ([render_prompt(p, tokenizer) for p in problems] if r == 0 else
                  [render_critic_prompt(p, [proposal_text(a[i], p) for a in answers[-1]], tokenizer)
                   for i, p in enumerate(problems)])
         prompt_ids = encode_prompts(tokenizer, texts, max_prompt_tokens)
-        round_answers = []
+        round_answers, round_cut = [], []
         for name in generators if r == 0 else critics:
             use_adapter(model, name)
-            round_answers.append(engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True).texts)
+            out = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
+            round_answers.append(out.texts)
+            round_cut.append([bool(t) for t in out.truncated_B])
         answers.append(round_answers)
-    return answers
+        cut.append(round_cut)
+    return answers, cut
 
 
 def majority(answers: list[str], problem) -> str:
@@ -273,26 +277,31 @@ def majority(answers: list[str], problem) -> str:
     return next(a for a, k in zip(answers, keys) if keys.count(k) == best)
 
 
-def debate_samples(answers: list[list[list[str]]], problems: list, k: int) -> list[dict]:
+def debate_samples(answers: list[list[list[str]]], cut: list[list[list[bool]]], problems: list,
+                   k: int) -> list[dict]:
     """The debate of the first k problems as text for samples.jsonl: the generators' answers, the proposals the first
-    critic saw in the last round, its final answer and whether it is right (with one round: the first generator's)."""
-    final = answers[-1][0][:k]
-    correct = score(final, problems[:k])
-    return [{"prompt_tail": p.question[-200:], "completion": final[i], "gold": p.answer, "level": p.level,
-             "correct": correct[i], "generator_answers": [proposal_text(a[i], p) for a in answers[0]],
+    critic saw in the last round, its final answer, whether it was cut and whether it is right (with one round: the
+    first generator's)."""
+    final, final_cut = answers[-1][0][:k], cut[-1][0][:k]
+    correct = score(final, problems[:k], final_cut)
+    return [{"prompt_tail": p.question[-200:], "completion": final[i], "truncated": final_cut[i], "gold": p.answer,
+             "level": p.level, "correct": correct[i], "generator_answers": [proposal_text(a[i], p) for a in answers[0]],
              "proposals": [proposal_text(a[i], p) for a in answers[-2]] if len(answers) > 1 else None}
             for i, p in enumerate(problems[:k])]
 
 
-def debate_metrics(answers: list[list[list[str]]], problems: list, num_generators: int) -> dict:
-    """Held-out accuracy of a single generator, the generators' majority vote and the debate, by acc_G bucket.
+def debate_metrics(answers: list[list[list[str]]], problems: list, num_generators: int,
+                   cut: list[list[list[bool]]] | None = None) -> dict:
+    """Held-out accuracy of a single generator, the generators' majority vote and the debate, by acc_G bucket. An
+    answer cut at max_new_tokens (`cut`, as `debate` returns it) scores 0; the votes count its text as it is.
 
     acc_G (round 1) buckets are named acc_g_{k}of{N}: k of the N generators right.
     improvement rate: among problems whose generator majority is wrong, the fraction of final critic answers
     that are right; break rate: among problems whose majority is right, the fraction of final answers wrong.
     """
-    gen_correct_NP = np.array([score(a, problems) for a in answers[0]])
-    final_correct_MP = np.array([score(a, problems) for a in answers[-1]])
+    cut = cut or [[[False] * len(problems) for _ in rnd] for rnd in answers]
+    gen_correct_NP = np.array([score(a, problems, c) for a, c in zip(answers[0], cut[0])])
+    final_correct_MP = np.array([score(a, problems, c) for a, c in zip(answers[-1], cut[-1])])
     maj_gen_P = np.array(score([majority([a[i] for a in answers[0]], p) for i, p in enumerate(problems)], problems))
     maj_final_P = np.array(score([majority([a[i] for a in answers[-1]], p) for i, p in enumerate(problems)], problems))
     debate_P = final_correct_MP.mean(0)
@@ -480,11 +489,11 @@ def main(args: Args) -> dict:
     engine = make_engine(args, model, tokenizer, args.seed + rank)
 
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer
-        answers = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics, args.debate_rounds,
-                         args.max_new_tokens, args.max_prompt_tokens)
-        answers = [[gather_shares(a) for a in rnd] for rnd in answers]
-        return {**debate_metrics(answers, eval_problems, len(generators)),
-                "samples/eval": debate_samples(answers, eval_problems, args.log_samples)}
+        answers, cut = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics,
+                              args.debate_rounds, args.max_new_tokens, args.max_prompt_tokens)
+        answers, cut = ([[gather_shares(a) for a in rnd] for rnd in x] for x in (answers, cut))
+        return {**debate_metrics(answers, eval_problems, len(generators), cut),
+                "samples/eval": debate_samples(answers, cut, eval_problems, args.log_samples)}
 
     if args.eval_debate:
         res = without_samples(run_eval())

@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py             # one CUDA GPU, about 5 minutes; writes benchmarks/gpu_check.md
     python benchmarks/gpu_check.py --dry-run   # the same commands on CPU at toy sizes (checks this script)
     python benchmarks/gpu_check.py --only scale --size 1.5b --quick   # the memory comparison on a 1.5B body
+    python benchmarks/gpu_check.py --only recipe   # part 3: the bf16 recipe moves the weights; update memory vs formula
 
 Part 1 runs each trainer's short configuration with `--device cuda` on the embedded testbed (the cached testbed
 models; nothing is downloaded) and reports whether it finished, its last logged reward and held-out accuracy, and
@@ -160,7 +161,92 @@ def part2(device: str, out_dir: str, timeout: int, dry_run: bool, size: str = "0
     return results
 
 
-def write_report(path: str, header: str, smoke: list[dict], scale: list[dict]) -> None:
+RECIPE_LR = 1e-6
+
+
+def weights_moved(start_dir: str, end_dir: str, stored) -> float:
+    """Share of weight entries that differ between two saved folders (the start rounded as the run stored it)."""
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(start_dir).state_dict()
+    end = AutoModelForCausalLM.from_pretrained(end_dir).state_dict()
+    moved = sum((end[k] != start[k].to(stored).float()).sum().item() for k in start)
+    return moved / sum(v.numel() for v in start.values())
+
+
+def part3_recipe(device: str, out_dir: str, timeout: int, dry_run: bool) -> list[dict]:
+    """The real-model recipe (issue 27): (a) 2 training steps at lr 1e-6 on the 0.5B body move about as many weights
+    under --dtype bfloat16 (float32 masters) as in float32, and almost none with --no-master-weights; (b) one
+    micro-batch of the update (completion_logprobs, its loss and backward) at 1,024 new tokens on a Qwen2.5-0.5B
+    shape with Qwen's vocabulary, bf16 autocast over float32 weights, with and without gradient checkpointing: peak
+    CUDA memory above the held state against docs/fsdp.md's formula (benchmarks/update_memory.update_peak_bytes)."""
+    import torch
+
+    from benchmarks.bench_models import random_model
+    from benchmarks.update_memory import update_peak_bytes
+
+    results = []
+    model = random_model(64, 2, 4) if dry_run else random_model(*SIZES["0.5b"])
+    # direct_opd.py, student = the random body, with the default testbed teacher pair (same byte tokenizer): its
+    # dense teacher-shift advantage gives every weight a gradient, where a random model's verifier reward is all 0
+    base = [sys.executable, "direct_opd.py", "--model-name", model, "--device", device, "--num-prompts", "4",
+            "--group-size", "4", "--max-new-tokens", "16", "--total-steps", "2", "--learning-rate", str(RECIPE_LR),
+            "--eval-every", "0", "--num-eval-problems", "4", "--eval-samples", "0", "--log-samples", "0"]
+    for name, flags, stored in (("float32", [], torch.float32), ("bfloat16 (float32 masters)", ["--dtype", "bfloat16"],
+                                                                 torch.float32),
+                                ("bfloat16 --no-master-weights", ["--dtype", "bfloat16", "--no-master-weights"],
+                                 torch.bfloat16)):
+        run_dir = os.path.join(out_dir, f"recipe-{len(results)}")
+        rc, wall, tail = run([*base, *flags, "--output-dir", run_dir, "--run-name", "r"], timeout)
+        res = {"check": f"weights moved, 2 steps at lr {RECIPE_LR:g}: {name}", "rc": rc, "wall_s": round(wall, 1)}
+        if rc == 0:
+            res["value"] = round(weights_moved(model, os.path.join(run_dir, "r", "checkpoint"), stored), 4)
+        else:
+            res["error"] = tail
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    if device != "cuda":
+        return results  # (b) reads CUDA's allocator; the CPU figure is benchmarks/update_memory.md's
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from common.models import autocast_forward, enable_gradient_checkpointing, mask_padded_head
+    from common.rollout import completion_logprobs
+
+    vocab, hidden, inter, heads, kv, layers, rows, prompt, completion = 151936, 896, 4864, 14, 2, 24, 4, 64, 1024
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        net = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                           num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=layers,
+                                           tie_word_embeddings=True, max_position_embeddings=2048)).to(device).train()
+        mask_padded_head(net, 151665)
+        autocast_forward(net, torch.bfloat16)
+        if ckpt:
+            enable_gradient_checkpointing(net)
+        ids = torch.randint(0, 151665, (rows, prompt + completion), device=device)
+
+        def step():
+            logp, _ = completion_logprobs(net, ids, torch.ones_like(ids), prompt, 1.0, with_entropy=True)
+            (-logp.mean()).backward()
+
+        step()  # warm-up: kernels, and the gradients, held between micro-batches anyway
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - held
+        formula = update_peak_bytes(rows, prompt, completion, vocab, hidden, inter, heads, kv, layers, True, ckpt)
+        res = {"check": f"update peak above held state, {rows} rows x ({prompt} + {completion}) tokens, bf16 autocast"
+                        f"{', gradient checkpointing' if ckpt else ''}", "rc": 0,
+               "value": f"{peak / 2**30:.2f} GiB vs formula {formula / 2**30:.2f} GiB ({peak / formula:.3f})"}
+        print(json.dumps(res), flush=True)
+        results.append(res)
+        del net
+        torch.cuda.empty_cache()
+    return results
+
+
+def write_report(path: str, header: str, smoke: list[dict], scale: list[dict], recipe: list[dict] = ()) -> None:
     lines = ["# GPU check", "", header, "", "## Every trainer on the GPU (testbed, short runs)", "",
              "| script | exit | wall (s) | last reward/mean | final greedy accuracy | peak GPU memory (GB) |",
              "|---|---|---|---|---|---|"]
@@ -181,11 +267,15 @@ def write_report(path: str, header: str, smoke: list[dict], scale: list[dict]) -
         lines += ["", f"The model has {scale[0]['params_m']:.0f} M parameters (the byte vocabulary and a 4 x hidden MLP "
                   "make it smaller than the Qwen2.5 model of that body); 'on paper' = (8 or 16 bytes) x parameters, "
                   "without activations, logits or FSDP's transient gathered layers (docs/fsdp.md)."]
-    errors = [r for r in smoke + scale if "error" in r]
+    if recipe:
+        lines += ["", "## The real-model recipe (float32 masters under --dtype bfloat16; update memory at 1,024 tokens)",
+                  "", "| check | exit | value |", "|---|---|---|"]
+        lines += [f"| {r['check']} | {r['rc']} | {fmt(r.get('value', ''))} |" for r in recipe]
+    errors = [r for r in smoke + scale + list(recipe) if "error" in r]
     if errors:
         lines += ["", "## Errors", ""]
         for r in errors:
-            lines += [f"### {r.get('script', r.get('config'))}", "", "```", r["error"], "```", ""]
+            lines += [f"### {r.get('script', r.get('config', r.get('check')))}", "", "```", r["error"], "```", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -194,7 +284,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check this script without a GPU")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "gpu_check.md"))
-    p.add_argument("--only", choices=["all", "smoke", "smoke_fsdp", "scale"], default="all")
+    p.add_argument("--only", choices=["all", "smoke", "smoke_fsdp", "scale", "recipe"], default="all")
     p.add_argument("--timeout", type=int, default=150, help="seconds per command")
     p.add_argument("--size", choices=sorted(SIZES), default="0.5b", help="model body of part 2")
     p.add_argument("--quick", action="store_true", help="part 2: two configurations, 64 tokens, 4 steps")
@@ -212,7 +302,8 @@ def main():
         smoke = part1(device, tmp, a.timeout) if a.only in ("all", "smoke") else []
         smoke += part1(device, tmp, a.timeout, fsdp=True) if a.only in ("all", "smoke_fsdp") else []
         scale = part2(device, tmp, a.timeout, a.dry_run, a.size, a.quick) if a.only in ("all", "scale") else []
-    write_report(a.out, header, smoke, scale)
+        recipe = part3_recipe(device, tmp, a.timeout, a.dry_run) if a.only in ("all", "recipe") else []
+    write_report(a.out, header, smoke, scale, recipe)
     print(open(a.out).read())
 
 

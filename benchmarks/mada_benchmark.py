@@ -50,8 +50,9 @@ def run_seed(args: mada_rl.Args, out_dir: str) -> dict:
     logger = RunLogger(args, os.path.join(out_dir, f"seed{args.seed}"))
 
     def metrics(critic_set):
-        return mada_rl.debate_metrics(mada_rl.debate(model, engine, tokenizer, heldout, gens, critic_set,
-                                                     args.debate_rounds, args.max_new_tokens), heldout, len(gens))
+        answers, cut = mada_rl.debate(model, engine, tokenizer, heldout, gens, critic_set, args.debate_rounds,
+                                      args.max_new_tokens)
+        return mada_rl.debate_metrics(answers, heldout, len(gens), cut)
 
     t0 = time.time()
     res = {"base": metrics(critics)}

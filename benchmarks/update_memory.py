@@ -150,33 +150,43 @@ def measure(config: dict) -> dict:
             return json.load(f)
 
 
+def update_peak_bytes(rows: int, prompt: int, completion: int, vocab: int, hidden: int, inter: int, heads: int,
+                      kv_heads: int, layers: int, bf16: bool, ckpt: bool) -> float:
+    """docs/fsdp.md's formula: the peak of one micro-batch's forward and backward above the state held between
+    micro-batches (weights, gradients, optimizer), in bytes, for a Qwen2/Llama-shaped model with tied embeddings."""
+    from common.rollout import LOGPROB_CHUNK
+
+    e = 2 if bf16 else 4  # bytes per entry of the logits (the LM head's dtype)
+    blocks = 2 * LOGPROB_CHUNK * 4  # float32 blocks of token_logprobs in flight
+    entries, tokens = rows * (completion + 1) * vocab, rows * (prompt + completion)
+    h, kv = hidden, hidden // heads * kv_heads
+    per_layer = 38 * h + 8 * inter if bf16 else 40 * h + 16 * inter  # bytes per token and layer
+    layer_params = 2 * h * h + 2 * h * kv + 3 * h * inter  # q and o (h x h), k and v (h x kv), the MLP
+    bf16_weights = 2 * layer_params if bf16 else 0  # autocast's bf16 copy, kept for backward
+    if ckpt:  # the layers' inputs (float32 residual stream), one layer recomputed at a time
+        act = layers * tokens * 4 * h + tokens * per_layer + bf16_weights
+    else:
+        act = layers * (tokens * per_layer + bf16_weights)
+    act += tokens * 8 * h  # final norm
+    head = vocab * h
+    # the peak is either in token_logprobs' backward (the logits and their gradient) or in the LM head's backward
+    # (one logits-sized gradient and the head's weight gradient: float32, or bf16 then float32 beside the bf16
+    # weight copy under autocast)
+    if not bf16:
+        return max(2 * e * entries + blocks, e * entries + 4 * head) + act
+    return max(2 * e * entries + blocks + 2 * head, e * entries + 8 * head) + act
+
+
 def predicted(c: dict) -> float | None:
     """docs/fsdp.md's formula for the new code's peak above the state held between micro-batches, in bytes."""
     if c["code"] != "new":
         return None
     from common.rollout import LOGPROB_CHUNK
 
-    e = 4 if c["dtype"] == "fp32" else 2  # bytes per entry of the logits (the LM head's dtype)
-    blocks = 2 * LOGPROB_CHUNK * 4  # float32 blocks of token_logprobs in flight
     if c["level"] == "logits":  # the gradient of the leaf (kept by the caller) and the blocks
-        return e * c["rows"] * c["completion"] * V + blocks
-    entries, tokens = c["rows"] * (c["completion"] + 1) * V, c["rows"] * (PROMPT + c["completion"])
-    h, kv = HIDDEN, HIDDEN // HEADS * KV_HEADS
-    per_layer = 40 * h + 16 * INTER if c["dtype"] == "fp32" else 38 * h + 8 * INTER  # bytes per token and layer
-    layer_params = 2 * h * h + 2 * h * kv + 3 * h * INTER  # q and o (h x h), k and v (h x kv), the MLP
-    bf16_weights = 0 if c["dtype"] == "fp32" else 2 * layer_params  # autocast's bf16 copy, kept for backward
-    if c["ckpt"]:  # the layers' inputs (float32 residual stream), one layer recomputed at a time
-        act = LAYERS * tokens * 4 * h + tokens * per_layer + bf16_weights
-    else:
-        act = LAYERS * (tokens * per_layer + bf16_weights)
-    act += tokens * 8 * h  # final norm
-    head = V * h
-    # the peak is either in token_logprobs' backward (the logits and their gradient) or in the LM head's backward
-    # (one logits-sized gradient and the head's weight gradient: float32, or bf16 then float32 beside the bf16
-    # weight copy under autocast)
-    if c["dtype"] == "fp32":
-        return max(2 * e * entries + blocks, e * entries + 4 * head) + act
-    return max(2 * e * entries + blocks + 2 * head, e * entries + 8 * head) + act
+        return (4 if c["dtype"] == "fp32" else 2) * c["rows"] * c["completion"] * V + 2 * LOGPROB_CHUNK * 4
+    return update_peak_bytes(c["rows"], PROMPT, c["completion"], V, HIDDEN, INTER, HEADS, KV_HEADS, LAYERS,
+                             c["dtype"] != "fp32", c["ckpt"])
 
 
 def mb(x: float) -> str:

@@ -147,3 +147,23 @@ def test_bfloat16_master_weights_move_smollm2_at_lr_1e6(smollm2_dir):
             b.numel() for b in before)
     assert moved["float32"] > 0.5 and moved["bfloat16"] > 0.8 * moved["float32"], moved
     assert moved["pure"] < 0.1 * moved["float32"], moved
+
+
+@pytest.mark.parametrize("fields", [("question", "answer"), ("q", "final")])
+def test_grpo_trains_smollm2_on_a_local_gsm8k_style_file(tmp_path, smollm2_dir, fields):
+    """The README's real-model command on a local GSM8K-style .jsonl ('... #### 72' answers), with the usual field
+    names and with others named through --question-field / --answer-field: it trains and evaluates end to end."""
+    q, a = fields
+    rows = [{q: f"Sam has {x} apples and buys {y} more. How many apples does he have?",
+             a: f"Sam has {x} + {y} = {x + y} apples.\n#### {x + y}"} for x, y in ((3, 4), (12, 5), (7, 8), (20, 1))]
+    data = tmp_path / "gsm8k_style.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = [] if fields == ("question", "answer") else ["--question-field", q, "--answer-field", a]
+    out = grpo.main(tyro.cli(grpo.Args, args=[
+        "--model-name", MODEL, "--dataset", str(data), "--eval-dataset", str(data), *flags, "--num-prompts", "2",
+        "--group-size", "2", "--max-new-tokens", "8", "--num-eval-problems", "2", "--eval-samples", "0",
+        "--eval-every", "0", "--total-steps", "1", "--output-dir", str(tmp_path)]))
+    assert [r["step"] for r in _train_rows(out["run_dir"])] == [1]
+    assert "eval/greedy_accuracy" in out["after"]
+    samples = assert_samples(out["run_dir"])
+    assert any("\\boxed" in s["prompt_tail"] for s in samples)  # the math prompt asks for a boxed answer
