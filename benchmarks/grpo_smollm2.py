@@ -91,23 +91,26 @@ def main():
              "accuracy among answers in format | wall min |", "|---|---|---|---|---|---|---|---|---|"]
     for seed, r in results.items():
         b, a = r["before"], r["after"]
-        in_fmt = lambda m: m["eval/greedy_accuracy"] / m["eval/format_rate"] if m["eval/format_rate"] else 0.0  # noqa: E731
+        in_fmt = lambda m: (f'{m["eval/greedy_accuracy"] / m["eval/format_rate"]:.3f}'  # noqa: E731
+                            if m["eval/format_rate"] else "n/a")  # no answer in format: nothing to divide
         lines.append(
             f"| {seed} | {b['eval/greedy_accuracy']:.3f} | {a['eval/greedy_accuracy']:.3f} | "
             f"{b['eval/greedy_accuracy/level_1']:.3f} -> {a['eval/greedy_accuracy/level_1']:.3f} | "
             f"{b['eval/greedy_accuracy/level_2']:.3f} -> {a['eval/greedy_accuracy/level_2']:.3f} | "
             f"{b['eval/format_rate']:.3f} -> {a['eval/format_rate']:.3f} | "
             f"{b['eval/truncated_frac']:.3f} -> {a['eval/truncated_frac']:.3f} | "
-            f"{in_fmt(b):.3f} -> {in_fmt(a):.3f} | {r['wall_s'] / 60:.0f} |")
+            f"{in_fmt(b)} -> {in_fmt(a)} | {r['wall_s'] / 60:.0f} |")
     lines += ["", "'accuracy among answers in format' is accuracy / format rate: an upper bound on how often an answer "
-              "in the expected format is right (a right answer can also be out of format).", "",
+              "in the expected format is right (a right answer can also be out of format); n/a where no answer is in "
+              "format. The reward is correctness alone (--format-reward-weight 0): the answer rule takes the last "
+              "number of a reply without the answer line, so the line is not rewarded.", "",
               "Greedy answers of the first held-out problems, before and after (seed "
               f"{cli.seeds[0]}; samples.jsonl of the run):", ""]
     first = results[cli.seeds[0]]
     for label, step in (("before", 0), ("after", cli.steps)):
         for s in greedy_answers(runs[cli.seeds[0]], step)[:3]:
             lines.append(f"- {label}, gold {s['gold']}: `{s['completion'][:160]!r}`")
-    lines += ["", f"Per-step metrics: {first['run_dir']}/metrics.jsonl (not committed)."]
+    lines += ["", f"Per-step metrics: {os.path.relpath(first['run_dir'], ROOT)}/metrics.jsonl (not committed)."]
     text = "\n".join(lines) + "\n"
     print(text)
     with open(cli.out, "w") as f:
