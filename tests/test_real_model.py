@@ -149,11 +149,11 @@ def test_bfloat16_master_weights_move_smollm2_at_lr_1e6(smollm2_dir):
     assert moved["pure"] < 0.1 * moved["float32"], moved
 
 
-@pytest.mark.parametrize("fields", [("question", "answer"), ("q", "final")])
-def test_grpo_trains_smollm2_on_a_local_gsm8k_style_file(tmp_path, smollm2_dir, fields):
-    """The README's real-model command on a local GSM8K-style .jsonl ('... #### 72' answers), with the usual field
-    names and with others named through --question-field / --answer-field: it trains and evaluates end to end."""
-    q, a = fields
+def test_grpo_trains_smollm2_on_a_local_gsm8k_style_file(tmp_path, smollm2_dir):
+    """The README's real-model command on a local GSM8K-style .jsonl ('... #### 72' answers) whose fields are named
+    through --question-field / --answer-field (the usual names are detected: tests/test_data.py and test_grpo.py):
+    it trains and evaluates end to end."""
+    fields = q, a = ("q", "final")
     rows = [{q: f"Sam has {x} apples and buys {y} more. How many apples does he have?",
              a: f"Sam has {x} + {y} = {x + y} apples.\n#### {x + y}"} for x, y in ((3, 4), (12, 5), (7, 8), (20, 1))]
     data = tmp_path / "gsm8k_style.jsonl"
@@ -167,3 +167,21 @@ def test_grpo_trains_smollm2_on_a_local_gsm8k_style_file(tmp_path, smollm2_dir, 
     assert "eval/greedy_accuracy" in out["after"]
     samples = assert_samples(out["run_dir"])
     assert any("\\boxed" in s["prompt_tail"] for s in samples)  # the math prompt asks for a boxed answer
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["hf", "hf_generate"])
+def test_hf_sampler_logprobs_equal_the_trainers_on_smollm2(smollm2_dir, loop):
+    """Both HF samplers' per-token log-probs of what they drew at temperature 1.3 are the trainer's (its batched,
+    chunked pass over [prompt | completion]) on SmolLM2's 49,152-token vocabulary, pad = eos rows included."""
+    from common.data import encode_prompts, load_problems, render_prompt
+    from common.models import load_model, load_tokenizer
+    from common.rollout import HFEngine, batched_logprobs
+
+    tok, model = load_tokenizer(smollm2_dir), load_model(smollm2_dir).eval()
+    problems = load_problems("testbed-nl", "test", (1, 2), 3, 0)
+    torch.manual_seed(0)
+    ro = HFEngine(model, tok, loop=loop).generate(encode_prompts(tok, [render_prompt(p, tok) for p in problems], 0),
+                                                  n=2, temperature=1.3, max_new_tokens=12, return_logprobs=True)
+    trainer_BC = batched_logprobs(model, ro, temperature=1.3, micro_batch_size=4)
+    m = ro.completion_mask_BC.bool()
+    assert m.sum() >= 24 and (trainer_BC - ro.sampler_logp_BC)[m].abs().max().item() < 1e-3

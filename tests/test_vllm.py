@@ -261,3 +261,30 @@ def test_cpu_protocol_loads_once_per_sync_and_never_sleeps(tiny_model_dir):
     engine.generate([[1, 2]], max_new_tokens=4)
     load = ["reload_weights", "reset_prefix_cache", "generate"]
     assert engine.llm.calls == load + ["generate"] + load + ["generate"]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    """An engine on SmolLM2-135M-Instruct (Llama body, BPE tokenizer, chat template, pad = eos), the converted folder
+    of common/pretrained.py, on worded prompts."""
+    from common.args import TrainArgs
+    from common.data import encode_prompts, load_problems, render_prompt
+    from common.models import load_model, load_tokenizer
+    from common.rollout import HFEngine, make_engine
+
+    tok, model = load_tokenizer(smollm2_dir), load_model(smollm2_dir)
+    problems = load_problems("testbed-nl", "test", (1, 2), 4, 0)
+    prompt_ids = encode_prompts(tok, [render_prompt(p, tok) for p in problems], 0)
+    engine = make_engine(TrainArgs(rollout_backend="vllm", max_new_tokens=16), model, tok, seed=0)
+    return dict(tok=tok, model=model, engine=engine, hf=HFEngine(model, tok, loop=False), prompt_ids=prompt_ids)
+
+
+def test_vllm_loads_the_converted_smollm2_and_matches_hf(smol):
+    """vLLM reads the converted folder; its greedy tokens are HF's, row for row, and its sampled log-probs are the
+    trainer's."""
+    a = smol["hf"].generate(smol["prompt_ids"], greedy=True, max_new_tokens=16)
+    b = smol["engine"].generate(smol["prompt_ids"], greedy=True, max_new_tokens=16)
+    assert torch.equal(a.input_ids_BT, b.input_ids_BT), (a.texts, b.texts)
+    assert (~b.truncated_B).any() and (b.lengths_B > 1).all()  # rows finish on eos, after real text
+    m, _ = _mismatch(smol, n=2)
+    assert abs(m["rollout/mismatch_k1"]) < 0.01 and 0 <= m["rollout/mismatch_k3"] < 0.01, m
