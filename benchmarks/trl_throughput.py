@@ -87,7 +87,8 @@ def run_trl(model_dir, max_new, steps, backend):
     from common.verifiers import score
 
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
-    problems = load_problems(*dataset_of(model_dir), 0, 1)
+    dataset, levels = dataset_of(model_dir)
+    problems = load_problems(dataset, "train", levels, 0, 1)
     by_answer = {p.question: p for p in problems}
     ds = Dataset.from_dict({"prompt": [render_prompt(p, tok) for p in problems], "question": [p.question for p in problems]})
 
@@ -129,7 +130,8 @@ def run_raw(model_dir, max_new, steps, backend):
     from common.rollout import left_pad
 
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
-    problems = load_problems(*dataset_of(model_dir), PROMPTS, 1)
+    dataset, levels = dataset_of(model_dir)
+    problems = load_problems(dataset, "train", levels, PROMPTS, 1)
     rows = [p for p in encode_prompts(tok, [render_prompt(q, tok) for q in problems], 0) for _ in range(GROUP)]
     ids, mask = left_pad(rows, tok.pad_token_id)
     config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new,
