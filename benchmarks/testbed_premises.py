@@ -60,6 +60,18 @@ def near_miss(answer: int, rng: random.Random) -> str:
             return str(wrong)
 
 
+def hinted_prompt(p, tok, helpful: bool) -> str:
+    """The trainers' prompt with the problem's helpful (or only its distractor) knowledge points as hints."""
+    return render_prompt(p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if ok == helpful])
+
+
+def critic_prompt(p, tok, n_right: int, rng: random.Random) -> str:
+    """mada_rl's critic prompt with three proposals, n_right of them the answer, the others near misses."""
+    props = [p.answer] * n_right + [near_miss(int(p.answer), rng) for _ in range(3 - n_right)]
+    rng.shuffle(props)
+    return render_critic_prompt(p, props, tok)
+
+
 def accuracy(model, tok, problems, prompts) -> float:
     ids = tok(prompts, add_special_tokens=False)["input_ids"]
     out = HFEngine(model, tok).generate(ids, n=1, max_new_tokens=4, greedy=True)
@@ -99,19 +111,11 @@ def measure(seed: int) -> dict:
     for frac in (0.5, 1.0):
         m[f"weak L5, {frac:.0%} solution prefix"] = acc(
             weak, 5, lambda p: render_guided_prompt(p, tok, solution_prefix(p.solution, frac)))  # noqa: B023
-    m["weak L4, helpful hints"] = acc(weak, 4, lambda p: render_prompt(
-        p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if ok]))
-    m["weak L4, distractor hints"] = acc(weak, 4, lambda p: render_prompt(
-        p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if not ok]))
+    m["weak L4, helpful hints"] = acc(weak, 4, lambda p: hinted_prompt(p, tok, True))
+    m["weak L4, distractor hints"] = acc(weak, 4, lambda p: hinted_prompt(p, tok, False))
     rng = random.Random(seed)
-
-    def critic(p, n_right):
-        props = [p.answer] * n_right + [near_miss(int(p.answer), rng) for _ in range(3 - n_right)]
-        rng.shuffle(props)
-        return render_critic_prompt(p, props, tok)
-
-    m["weak L3, 1 of 3 proposals right"] = acc(weak, 3, lambda p: critic(p, 1))
-    m["weak L3, 0 of 3 proposals right"] = acc(weak, 3, lambda p: critic(p, 0))
+    m["weak L3, 1 of 3 proposals right"] = acc(weak, 3, lambda p: critic_prompt(p, tok, 1, rng))
+    m["weak L3, 0 of 3 proposals right"] = acc(weak, 3, lambda p: critic_prompt(p, tok, 0, rng))
     t0 = time.time()
     m["weak, ppo_slm reward model pair accuracy"] = reward_model_pair_accuracy(weak_dir, seed + 1)
     m["s: ppo_slm SFT + RM"] = round(time.time() - t0)
@@ -189,20 +193,12 @@ def measure_pretrained(path: str, n: int, seed: int = 0) -> dict:
             m[f"L{lv}, {frac:.0%} solution prefix"] = acc(
                 lv, lambda p: render_guided_prompt(p, tok, solution_prefix(p.solution, frac)))  # noqa: B023
     for lv in NL_KP:
-        m[f"L{lv}, helpful hints"] = acc(lv, lambda p: render_prompt(
-            p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if ok]))
-        m[f"L{lv}, distractor hints"] = acc(lv, lambda p: render_prompt(
-            p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if not ok]))
+        m[f"L{lv}, helpful hints"] = acc(lv, lambda p: hinted_prompt(p, tok, True))
+        m[f"L{lv}, distractor hints"] = acc(lv, lambda p: hinted_prompt(p, tok, False))
     rng = random.Random(seed)
-
-    def critic(p, n_right):
-        props = [p.answer] * n_right + [near_miss(int(p.answer), rng) for _ in range(3 - n_right)]
-        rng.shuffle(props)
-        return render_critic_prompt(p, props, tok)
-
     for lv in NL_PROPOSALS:
-        m[f"L{lv}, 1 of 3 proposals right"] = acc(lv, lambda p: critic(p, 1))
-        m[f"L{lv}, 0 of 3 proposals right"] = acc(lv, lambda p: critic(p, 0))
+        m[f"L{lv}, 1 of 3 proposals right"] = acc(lv, lambda p: critic_prompt(p, tok, 1, rng))
+        m[f"L{lv}, 0 of 3 proposals right"] = acc(lv, lambda p: critic_prompt(p, tok, 0, rng))
     m["s: all cells"] = round(time.time() - t0)
     return m
 
