@@ -184,4 +184,4 @@ def test_hf_sampler_logprobs_equal_the_trainers_on_smollm2(smollm2_dir, loop):
                                                   n=2, temperature=1.3, max_new_tokens=12, return_logprobs=True)
     trainer_BC = batched_logprobs(model, ro, temperature=1.3, micro_batch_size=4)
     m = ro.completion_mask_BC.bool()
-    assert m.sum() >= 24 and (trainer_BC - ro.sampler_logp_BC)[m].abs().max().item() < 1e-3
+    assert m.sum() > len(problems) * 2 and (trainer_BC - ro.sampler_logp_BC)[m].abs().max().item() < 1e-3  # not vacuous
