@@ -12,7 +12,9 @@ two methods side by side, one scoring of each in turn:
   program's median of 3 rounds, the old timing inputs below, no noise floor: the credited speed-up is the raw one);
 - after: the current judge (`method="paired"`: CPU time of the program's own process, the programs of a round on
   one CPU, median of the per-round ratios over --repeats rounds, the current timing inputs) with the task's noise
-  floor calibrated in that condition as rlpf.py does at start (`code_tasks.calibrate`), credited as rlpf.py credits.
+  floor calibrated in that condition as rlpf.py does at start (`code_tasks.calibrate`, never below --min-floor),
+  credited as rlpf.py credits; the table also counts the speed credit the same timings would earn under the
+  calibration's floors alone.
 
 Conditions: idle (nothing started by the benchmark; the 1-minute load average is printed and recorded first, so
 that a reader can tell whether the machine was idle) and busy (--busy pure-Python busy loops started beside it,
@@ -62,17 +64,22 @@ def stop_busy(procs: list) -> None:
         p.wait()
 
 
-def one_scoring(task, source: str, method: str, repeats: int, floors: tuple, limits) -> dict:
-    """Judge `source` on `task` as rlpf.py does; its raw and credited speed-ups, staged reward and cost."""
+def one_scoring(task, source: str, method: str, repeats: int, floors: tuple, limits,
+                alone: tuple = (1.0, 1.0), band: float = 3.0) -> dict:
+    """Judge `source` on `task` as rlpf.py does; its raw and credited speed-ups, staged reward and cost, and the
+    staged reward the same timing would get under the floors `alone` (the calibration without --min-floor)."""
     t0 = time.perf_counter()
-    r = code_tasks.judge(task, [source], limits, repeats, method=method)
+    confirm = {"confirm_floor": floors[0], "confirm_band": band} if method == "paired" else {}
+    r = code_tasks.judge(task, [source], limits, repeats, method=method, **confirm)
     seconds = time.perf_counter() - t0
     v, t_b, t_r = r["verdicts"][0], r["slow"].runtime, r["fast"].runtime
     if v.status != "correct":
         raise RuntimeError(f"{task.name}: a reference's copy was judged {v.status} ({v.message})")
     raw = t_b / v.runtime
     return {"raw": raw, "credited": rlpf.credited_speedup(raw, floors[0]), "seconds": seconds,
-            "reward": rlpf.staged_reward(v.status, v.runtime, t_b, t_r, 1.02, floors), "clock": v.clock}
+            "reward": rlpf.staged_reward(v.status, v.runtime, t_b, t_r, 1.02, floors), "clock": v.clock,
+            "second_speedup": v.second_speedup,
+            "reward_alone": rlpf.staged_reward(v.status, v.runtime, t_b, t_r, 1.02, alone)}
 
 
 def run_condition(name: str, tasks: list, cli, limits) -> dict:
@@ -83,20 +90,24 @@ def run_condition(name: str, tasks: list, cli, limits) -> dict:
         time.sleep(1.0 if busy else 0.0)
         for task in tasks:
             old_task = dataclasses.replace(task, timing=OLD_TIMING[task.name]) if task.name in OLD_TIMING else None
-            cal = code_tasks.calibrate(task, limits, cli.repeats, cli.calibration_scorings, cli.margin, cached=False)
+            cal = code_tasks.calibrate(task, limits, cli.repeats, cli.calibration_scorings, cli.margin, cached=False,
+                                       least=cli.min_floor)
+            alone = tuple(code_tasks.noise_floor(cal[k], cli.margin) for k in ("slow_self", "fast_self"))
             res = {"before": {"equal": [], "fast": []}, "after": {"equal": [], "fast": []},
-                   "floors": cal["floors"], "calibration_s": cal["seconds"]}
+                   "floors": cal["floors"], "floors_alone": alone, "calibration_s": cal["seconds"]}
             for _ in range(cli.scorings):
                 if old_task is not None:
                     res["before"]["equal"].append(one_scoring(old_task, task.slow, "legacy", 3, (1.0, 1.0), limits))
                     res["before"]["fast"].append(one_scoring(old_task, task.fast, "legacy", 3, (1.0, 1.0), limits))
-                res["after"]["equal"].append(one_scoring(task, task.slow, "paired", cli.repeats, cal["floors"], limits))
-                res["after"]["fast"].append(one_scoring(task, task.fast, "paired", cli.repeats, cal["floors"], limits))
+                for kind, source in (("equal", task.slow), ("fast", task.fast)):
+                    res["after"][kind].append(one_scoring(task, source, "paired", cli.repeats, cal["floors"], limits,
+                                                          alone, cli.confirm_band))
             out["tasks"][task.name] = res
             for method in ("before", "after"):
                 if res[method]["equal"]:
                     print(f"{name} {task.name} {method}: " + summary(res[method], name), flush=True)
-            print(f"{name} {task.name} after: noise floors {cal['floors'][0]:.3f} / {cal['floors'][1]:.3f} "
+            print(f"{name} {task.name} after: noise floors {cal['floors'][0]:.3f} / {cal['floors'][1]:.3f}, "
+                  f"calibration alone {alone[0]:.3f} / {alone[1]:.3f} "
                   f"(calibration {cal['seconds']:.1f} s)", flush=True)
     finally:
         stop_busy(busy)
@@ -119,11 +130,18 @@ def summary(res: dict, condition: str) -> str:
             f"{statistics.mean(x['seconds'] for x in fa):.2f} (fast)")
 
 
+def alone_paid(rows: list, method: str) -> str:
+    if method != "after" or "reward_alone" not in rows[0]:
+        return ""
+    return f" ({sum(x['reward_alone'] > rlpf.CORRECT_FLOOR for x in rows)} with the calibration alone)"
+
+
 def write(cli, results: dict) -> str:
     lines = ["# rlpf.py timing: an equal program and the fast reference against the slow baseline", "",
              f"`{' '.join(['python benchmarks/rlpf_timing.py'] + sys.argv[1:])}`", "",
              f"{cli.scorings} scorings per task, program and method; after: {cli.repeats} rounds, noise floor "
-             f"calibrated from {cli.calibration_scorings} self-scorings with margin {cli.margin}; busy: {cli.busy} "
+             f"calibrated from {cli.calibration_scorings} self-scorings with margin {cli.margin}, at least "
+             f"{cli.min_floor}, a second judging within --confirm-band {cli.confirm_band} of it; busy: {cli.busy} "
              f"busy loops beside it. Machine: {os.cpu_count()} CPUs, sandbox isolation {sandbox.isolation()}.", "",
              "Load (1-minute average, /proc/loadavg) at the start and end of each condition: " +
              "; ".join(f"{c} {r['load_before']:.2f} -> {r['load_after']:.2f}" for c, r in results.items()) +
@@ -131,7 +149,9 @@ def write(cli, results: dict) -> str:
              "equal: the slow baseline's program scored against the slow baseline (raw: the measured speed-up; "
              "credited: what the reward uses, the raw one before, the noise-floored one after); in range: the "
              "issue's acceptance range of the condition; speed credit: scorings whose staged reward exceeds the "
-             "correct floor 0.15 (FBR or CGRE paid); fast: the fast reference's program against the slow baseline "
+             "correct floor 0.15 (FBR or CGRE paid), and in brackets how many would have with the floors of the "
+             "calibration alone (no least floor; the same timings); fast: the fast reference's program against "
+             "the slow baseline "
              "(the two methods use different inputs and clocks, so their raw speed-ups differ). "
              "Spreads are min / median / max; s/scoring: wall seconds of one judging (the candidate and both "
              "references, process starts included).", "",
@@ -145,12 +165,13 @@ def write(cli, results: dict) -> str:
                 eq, fa = res[method]["equal"], res[method]["fast"]
                 if not eq:
                     continue
-                floors = f"{res['floors'][0]:.3f}, {res['floors'][1]:.3f}" if method == "after" else "none"
+                floors = (f"{res['floors'][0]:.3f}, {res['floors'][1]:.3f} (alone {res['floors_alone'][0]:.3f}, "
+                          f"{res['floors_alone'][1]:.3f})" if method == "after" else "none")
                 lines.append(
                     f"| {cond} | {name} | {method} | {spread([x['raw'] for x in eq])} | "
                     f"{spread([x['credited'] for x in eq])} | "
                     f"{sum(lo <= x['credited'] <= hi for x in eq)}/{len(eq)} in [{lo}, {hi}] | "
-                    f"{sum(x['reward'] > rlpf.CORRECT_FLOOR for x in eq)}/{len(eq)} | "
+                    f"{sum(x['reward'] > rlpf.CORRECT_FLOOR for x in eq)}/{len(eq)}{alone_paid(eq, method)} | "
                     f"{spread([x['raw'] for x in fa], '{:.0f}')} | {spread([x['credited'] for x in fa], '{:.0f}')} | "
                     f"{statistics.mean(x['seconds'] for x in eq):.2f}, {statistics.mean(x['seconds'] for x in fa):.2f}"
                     f" | {floors} |")
@@ -167,8 +188,11 @@ def write(cli, results: dict) -> str:
                 ok = sum(lo <= x["credited"] <= hi for x in rows)
                 paid = sum(x["reward"] > rlpf.CORRECT_FLOOR for x in rows)
                 fast = [x["raw"] for res in r["tasks"].values() for x in res[method]["fast"]]
+                second = sum(x.get("second_speedup") is not None for x in rows)
                 lines.append(f"- {cond}, {method}: {ok}/{len(rows)} scorings in range "
-                             f"({'met' if ok == len(rows) else 'not met'}); {paid}/{len(rows)} earned speed credit; "
+                             f"({'met' if ok == len(rows) else 'not met'}); {paid}/{len(rows)} earned speed credit"
+                             f"{alone_paid(rows, method)}"
+                             f"{f'; {second} judged a second time' if method == 'after' else ''}; "
                              f"the fast reference's raw speed-up {spread(fast, '{:.0f}')} over all tasks")
     text = "\n".join(lines) + "\n"
     with open(cli.out, "w") as f:
@@ -189,13 +213,17 @@ def main():
     p.add_argument("--repeats", type=int, default=rlpf.Args.timing_repeats, help="rounds of the after method")
     p.add_argument("--calibration-scorings", type=int, default=rlpf.Args.calibration_scorings)
     p.add_argument("--margin", type=float, default=rlpf.Args.noise_floor_margin, help="noise floor margin")
+    p.add_argument("--min-floor", type=float, default=rlpf.Args.min_noise_floor, help="least noise floor")
+    p.add_argument("--confirm-band", type=float, default=rlpf.Args.confirm_band,
+                   help="second judging near the floor (rlpf.py --confirm-band; 1: off)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "rlpf_timing.md"))
     p.add_argument("--json", default="", help="also write every scoring here (raw data)")
     cli = p.parse_args()
     unknown = [t for t in cli.tasks if t not in code_tasks.TASKS]
-    if unknown or cli.scorings < 1 or cli.repeats < 1 or cli.calibration_scorings < 1 or cli.margin < 1:
+    if unknown or cli.scorings < 1 or cli.repeats < 1 or cli.calibration_scorings < 1 or cli.margin < 1 \
+            or cli.min_floor < 1 or cli.confirm_band < 1:
         raise SystemExit(f"error: unknown task {unknown} or --scorings/--repeats/--calibration-scorings < 1 or "
-                         f"--margin < 1 (have tasks {sorted(code_tasks.TASKS)})")
+                         f"--margin, --min-floor or --confirm-band < 1 (have tasks {sorted(code_tasks.TASKS)})")
     limits = sandbox.Limits()  # rlpf.py's defaults: 2 s a call, 256 MiB
     tasks = [code_tasks.TASKS[t] for t in cli.tasks]
     t0 = time.time()

@@ -644,6 +644,9 @@ class Verdict:
     """every timed call's round trip, in seconds"""
     clock: str = ""
     """what `times` count: 'cpu' or 'wall' (asked for, or the fallback for a program the cpu count cannot judge)"""
+    second_speedup: float | None = None
+    """the paired speed-up of a second judging in fresh sandboxes (code_tasks.judge `confirm_floor`: set only when
+    the first landed near the noise floor), else None"""
     floors: tuple = (1.0, 1.0)
     """noise floors of its speed-ups against the slow baseline and against the fast reference (set by the caller
     from a calibration, rlpf.py: speed-ups within these factors of 1 earn no speed credit); (1, 1): none"""
