@@ -53,10 +53,15 @@ def _next_draws(script, own: dict, rank: int) -> list:
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo_sec.py"])
 def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_dir, script):
-    """2 processes (gloo): killed right after the checkpoint of step 2 and resumed, the run logs the same steps 3-4
-    as an uninterrupted one; each rank saved and restored its own state, and the ranks draw different problems."""
+    """2 processes (gloo): both ranks train and rank 0 logs each step once; killed right after the checkpoint of
+    step 2 and resumed, the run logs the same steps 3-4 as an uninterrupted one; each rank saved and restored its own
+    state, and the ranks draw different problems."""
     straight = _torchrun(script, tmp_path, "--run-name", "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
+    steps = [x["step"] for x in read_metrics(tmp_path / "straight" / "metrics.jsonl") if "reward/mean" in x]
+    assert steps == [1, 2, 3, 4]  # logged once, by rank 0
+    trained = _rows(tmp_path / "straight").values()
+    assert all(0.0 <= x["reward/mean"] <= 1.0 for x in trained) and any(x["optim/grad_norm"] > 0 for x in trained)
     killed = _torchrun(script, tmp_path, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
     assert killed.returncode != 0
     run_dir = tmp_path / "killed"
