@@ -377,22 +377,12 @@ def limits_of(args: Args) -> sandbox.Limits:
 
 def check_timing_args(args: Args) -> None:
     """The judging flags: a one-line error for a value that cannot time or judge anything."""
-    for name, least in (("timing_repeats", 1), ("calibration_scorings", 1), ("memory_mb", 1)):
-        if getattr(args, name) < least:
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least {least}")
+    factors = ("confirm_band", "min_noise_floor", "noise_floor_margin", "rbr_tolerance")  # factors on a time: >= 1
+    for name in ("timing_repeats", "calibration_scorings", "memory_mb", *factors):
+        if not getattr(args, name) >= 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
     if not args.call_timeout > 0:
         raise SystemExit(f"error: --call-timeout {args.call_timeout} must be a positive number of seconds")
-    if not args.confirm_band >= 1:
-        raise SystemExit(f"error: --confirm-band {args.confirm_band} must be at least 1 (a factor on the noise floor; "
-                         "1 turns the second judging off)")
-    if not args.min_noise_floor >= 1:
-        raise SystemExit(f"error: --min-noise-floor {args.min_noise_floor} must be at least 1 (a factor on the "
-                         "reference's time)")
-    if not args.noise_floor_margin >= 1:
-        raise SystemExit(f"error: --noise-floor-margin {args.noise_floor_margin} must be at least 1 (a factor on "
-                         "the largest self-speed-up of the calibration)")
-    if not args.rbr_tolerance >= 1:
-        raise SystemExit(f"error: --rbr-tolerance {args.rbr_tolerance} must be at least 1 (T_c <= tolerance x T_r)")
 
 
 def calibration_of(task, args: Args) -> dict:
