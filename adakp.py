@@ -87,7 +87,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     clip_low: float = 0.2
     """ratio clipped below at 1 - clip_low"""
     clip_high: float = 0.28
-    """ratio clipped above at 1 + clip_high (0.28 = DAPO clip-higher, as KnowRL)"""
+    """ratio clipped above at 1 + clip_high (0.28: DAPO's clip-higher, KnowRL's paper value before its annealing to
+    0.26 at step 2,590; its released train/knowrl.sh sets 0.26)"""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
     """token_mean: sum / tokens in the mini-batch; seq_mean_token_mean: mean over sequences of per-sequence means;
     constant: sum / (sequences x max_new_tokens) (Dr. GRPO)"""
