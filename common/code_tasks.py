@@ -50,60 +50,81 @@ class CodeTask:
     entry: str = "solve"
     broken: tuple = ()
     """wrong, crashing or non-compiling programs (warm-start mix of the embedded model only)"""
+    draw_timing: object = None
+    """draw_timing(rng, n): a warm-up and n distinct timed inputs, drawn anew for every judging (`judge`), so that a
+    program cannot know them ahead and answer from a table; None: the fixed `timing` list (a task file)"""
 
 
-def _distinct(seed: int, n: int) -> list:
-    return random.Random(seed).sample(range(10**6), n)
+def _sizes(lo: int, hi: int, warm: int):
+    """Inputs (n,): a warm-up about `warm`, then n distinct sizes in [lo, hi)."""
+    return lambda rng, n: [(warm + rng.randrange(1000),)] + [(a,) for a in rng.sample(range(lo, hi), n)]
 
 
-def _lists(seed: int, n: int) -> tuple:
-    rng = random.Random(seed)
-    return [rng.randrange(4 * n) for _ in range(n)], [rng.randrange(4 * n) for _ in range(n)]
+def _multiples(rng: random.Random, n: int) -> list:
+    return [(12_000 + rng.randrange(1000), 3)] + [(a, rng.randrange(3, 12)) for a in
+                                                   rng.sample(range(1_100_000, 1_300_000), n)]
+
+
+def _distinct(rng: random.Random, n: int) -> list:
+    """A warm-up list of 300 distinct values, then n lists of 3000 (no repeat: the slow scan runs to the end)."""
+    return [(rng.sample(range(10**6), 300),)] + [(rng.sample(range(10**6), 3000),) for _ in range(n)]
+
+
+def _lists(rng: random.Random, n: int) -> list:
+    pair = lambda m: tuple([rng.randrange(4 * m) for _ in range(m)] for _ in range(2))  # noqa: E731
+    return [pair(240)] + [pair(2400) for _ in range(n)]
+
+
+def _embedded(draw, **fields) -> CodeTask:
+    """An embedded task: its fixed `timing` (shown in the docs and used where no draw is made) is one draw."""
+    return CodeTask(**fields, timing=draw(random.Random(0), 10), draw_timing=draw)
 
 
 TASKS = {t.name: t for t in [
-    CodeTask(
-        "sum_range", "Return the sum of all integers from 0 to n - 1 (n >= 0).", "def solve(n: int) -> int",
+    _embedded(
+        _sizes(1_400_000, 1_600_000, 15_000),
+        name="sum_range", statement="Return the sum of all integers from 0 to n - 1 (n >= 0).",
+        signature="def solve(n: int) -> int",
         tests=[(0,), (1,), (2,), (10,), (7,), (1000,), (12345,)],
-        timing=[(150_000,)] + [(1_500_000 + i,) for i in range(5)],
         slow="def solve(n):\n t = 0\n for i in range(n):\n  t += i\n return t\n",
         fast="def solve(n):\n return n * (n - 1) // 2\n",
         broken=("def solve(n):\n return n * (n + 1) // 2\n", "def solve(n):\n return sum(range(n)\n",
                 "def solve(n):\n return m * (n - 1) // 2\n", "def solve(n):\n return n * (n - 1) / 2\n")),
-    CodeTask(
-        "sum_squares", "Return the sum of i * i for i from 0 to n - 1 (n >= 0).", "def solve(n: int) -> int",
+    _embedded(
+        _sizes(900_000, 1_100_000, 10_000),
+        name="sum_squares", statement="Return the sum of i * i for i from 0 to n - 1 (n >= 0).",
+        signature="def solve(n: int) -> int",
         tests=[(0,), (1,), (2,), (3,), (10,), (999,)],
-        timing=[(100_000,)] + [(1_000_000 + i,) for i in range(5)],
         slow="def solve(n):\n t = 0\n for i in range(n):\n  t += i * i\n return t\n",
         fast="def solve(n):\n return (n - 1) * n * (2 * n - 1) // 6\n",
         broken=("def solve(n):\n return n * (n + 1) * (2 * n + 1) // 6\n",
                 "def solve(n):\n return sum(i * i for i in n)\n",
                 "def solve(n)\n return n * n\n")),
-    CodeTask(
-        "count_multiples", "Return how many i in 0..n-1 are divisible by k (n >= 0, k >= 1).",
-        "def solve(n: int, k: int) -> int",
+    _embedded(
+        _multiples,
+        name="count_multiples", statement="Return how many i in 0..n-1 are divisible by k (n >= 0, k >= 1).",
+        signature="def solve(n: int, k: int) -> int",
         tests=[(0, 1), (1, 1), (10, 3), (9, 3), (100, 7), (5, 10), (12, 12), (13, 12)],
-        timing=[(120_000, 3)] + [(1_200_000 + i, k) for i, k in enumerate((3, 7, 5, 11, 4))],
         slow="def solve(n, k):\n c = 0\n for i in range(n):\n  if i % k == 0:\n   c += 1\n return c\n",
         fast="def solve(n, k):\n return (n + k - 1) // k\n",
         broken=("def solve(n, k):\n return n // k\n", "def solve(n, k):\n return (n + k - 1) // j\n",
                 "def solve(n, k):\n return (n + k - 1 // k\n")),
-    CodeTask(
-        "has_duplicate", "Return True if some value occurs twice in the list xs, else False.",
-        "def solve(xs: list[int]) -> bool",
+    _embedded(
+        _distinct,
+        name="has_duplicate", statement="Return True if some value occurs twice in the list xs, else False.",
+        signature="def solve(xs: list[int]) -> bool",
         tests=[([],), ([1],), ([1, 1],), ([1, 2, 3],), ([3, 1, 2, 3],), ([5, 4, 3, 2, 1, 0, 9, 0],),
                (list(range(50)),)],
-        timing=[(_distinct(0, 300),)] + [(_distinct(s, 3000),) for s in range(1, 6)],
         slow="def solve(xs):\n for i in range(len(xs)):\n  if xs[i] in xs[:i]:\n   return True\n return False\n",
         fast="def solve(xs):\n return len(set(xs)) < len(xs)\n",
         broken=("def solve(xs):\n return len(set(xs)) > len(xs)\n", "def solve(xs):\n return len(set(xs) < len(xs)\n",
                 "def solve(xs):\n return xs[0] in xs[1:]\n")),
-    CodeTask(
-        "count_common", "Return how many elements of xs also occur in ys.",
-        "def solve(xs: list[int], ys: list[int]) -> int",
+    _embedded(
+        _lists,
+        name="count_common", statement="Return how many elements of xs also occur in ys.",
+        signature="def solve(xs: list[int], ys: list[int]) -> int",
         tests=[([], []), ([1], []), ([], [1]), ([1, 2, 3], [3, 2]), ([1, 1, 2], [1]), ([4, 5], [6, 7]),
                (list(range(30)), list(range(15, 60)))],
-        timing=[_lists(0, 240)] + [_lists(s, 2400) for s in range(1, 6)],
         slow="def solve(xs, ys):\n c = 0\n for x in xs:\n  if x in ys:\n   c += 1\n return c\n",
         fast="def solve(xs, ys):\n s = set(ys)\n return sum(x in s for x in xs)\n",
         broken=("def solve(xs, ys):\n return len(set(xs) & set(ys))\n",
@@ -199,7 +220,10 @@ def select_tasks(dataset: str, names=()) -> list:
 
 @functools.lru_cache(maxsize=64)
 def _reference_outputs(name: str, fast: str, inputs_json: str, entry: str) -> str:
-    inputs = [tuple(a) for a in json.loads(inputs_json)]
+    return json.dumps(_run_reference(name, fast, [tuple(a) for a in json.loads(inputs_json)], entry))
+
+
+def _run_reference(name: str, fast: str, inputs: list, entry: str) -> list:
     limits = sandbox.Limits(call_s=30.0, run_s=300.0, cpu_s=300)
     proc, first = sandbox.start(fast, limits, entry)
     try:
@@ -213,14 +237,32 @@ def _reference_outputs(name: str, fast: str, inputs_json: str, entry: str) -> st
             outs.append(reply["value"])
     finally:
         sandbox.kill(proc)
-    return json.dumps(outs)
+    return outs
 
 
-def expected_outputs(task: CodeTask) -> tuple[list, list]:
-    """(test outputs, timing outputs) of the fast reference, computed once per task in the sandbox."""
-    inputs = list(task.tests) + list(task.timing)
-    outs = json.loads(_reference_outputs(task.name, task.fast, json.dumps(inputs), task.entry))
-    return outs[: len(task.tests)], outs[len(task.tests) :]
+def expected_outputs(task: CodeTask, timing: list | None = None) -> tuple[list, list]:
+    """(test outputs, timing outputs) of the fast reference, computed in the sandbox: once per task for the tests
+    and the fixed `timing`, anew for drawn `timing` inputs."""
+    tests_out = json.loads(_reference_outputs(task.name, task.fast, json.dumps(list(task.tests)), task.entry))
+    if timing is None:
+        return tests_out, json.loads(_reference_outputs(task.name, task.fast, json.dumps(list(task.timing)),
+                                                        task.entry))
+    return tests_out, _run_reference(task.name, task.fast, list(timing), task.entry)
+
+
+def timing_inputs(task: CodeTask, repeats: int) -> list:
+    """The warm-up and `repeats` timed inputs of one judging: drawn anew (`draw_timing`) or the task's fixed list."""
+    if task.draw_timing is not None:
+        return task.draw_timing(random.Random(random.SystemRandom().getrandbits(64)), repeats)
+    return list(task.timing)
+
+
+def check_timing_inputs(tasks: list, repeats: int) -> None:
+    """One line for a task file whose tasks have fewer timing inputs than a warm-up and `repeats` new ones."""
+    short = [f"{t.name} ({len(t.timing)})" for t in tasks if t.draw_timing is None and len(t.timing) < repeats + 1]
+    if short:
+        fail(f"--timing-repeats {repeats} needs {repeats + 1} timing inputs a task (a warm-up and a new input for "
+             f"every round, so that no round is answered from a cache); these have fewer: {', '.join(short)}")
 
 
 METHODS = {"paired": dict(clock="cpu", statistic="min", pin_rounds=True),
@@ -264,6 +306,15 @@ def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, 
     with T_b the baseline's fastest round, so that T_b / runtime is the paired speed-up (one clock for all: if
     a reference had to be timed by wall clock, every program is); with legacy it is the program's median.
 
+    Two rules keep work the rounds do not see from paying (paired method): (1) CPU a program spends before its
+    first timed round beyond twice what the slow baseline spends there (`Verdict.setup_cpu`: a table built at import
+    or in the warm-up call; twice, so that the few ms by which two equal programs differ there are not charged) is
+    added to each of its rounds; (2) its speed-up is at most its first round's: every later
+    round could use state kept from earlier calls (an answer, a partial sum to extend, a table built lazily), the
+    first cannot (the warm-up inputs are about 1 % of the timed ones), and for an honest program taking the smaller
+    only withholds credit within the noise (a stateful program's first round lands beyond the noise floor by noise
+    alone, and then the second judging of the confirmation band must land there too). Timing inputs are drawn anew for each judging where the task can (`timing_inputs`).
+
     With `confirm_floor` (the task's noise floor against the slow baseline), a timed program whose speed-up lands
     in the confirmation band (`in_confirm_band`) is judged once more with the references, in fresh sandboxes, and
     keeps the speed-up of the two that is closer to 1 (`second_speedup` records the second). Why: a sandbox
@@ -272,9 +323,10 @@ def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, 
     processes cannot remove; a second set of processes can.
     """
     limits = limits or sandbox.Limits()
-    tests_out, timing_out = expected_outputs(task)
+    timing = timing_inputs(task, repeats)
+    tests_out, timing_out = expected_outputs(task, timing)
     unique = list(dict.fromkeys(p for p in programs if p))
-    verdicts = sandbox.measure(unique + [task.slow, task.fast], task.tests, tests_out, task.timing, timing_out,
+    verdicts = sandbox.measure(unique + [task.slow, task.fast], task.tests, tests_out, timing, timing_out,
                                limits, repeats=repeats, entry=task.entry, time_wrong_outputs=time_wrong_outputs,
                                **METHODS[method])
     by_source = dict(zip(unique, verdicts))
@@ -290,7 +342,12 @@ def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, 
                 v.times, v.clock = list(v.wall_times), "wall"
         t_b = min(slow.times)
         for v in timed:
-            v.runtime = t_b / paired_speedup(slow.times, v.times)
+            if v.setup_cpu is not None and slow.setup_cpu is not None and v.clock == slow.clock == "cpu":
+                v.times = [t + max(0.0, v.setup_cpu - 2 * slow.setup_cpu) for t in v.times]  # rule (1)
+            speedup = paired_speedup(slow.times, v.times)
+            if v.times[0] > 0 and slow.times[0] > 0:
+                speedup = min(speedup, slow.times[0] / v.times[0])  # rule (2)
+            v.runtime = t_b / speedup
         again = [p for p in unique if confirm_floor and by_source[p].runtime
                  and in_confirm_band(t_b / by_source[p].runtime, confirm_floor, confirm_band)]
         if again:

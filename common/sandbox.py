@@ -88,8 +88,9 @@ class Limits:
     """CPU seconds of the child (RLIMIT_CPU)"""
     memory_mb: int = 256
     """address space of each child process (RLIMIT_AS), in MiB"""
-    nproc: int = 8
-    """processes the sandbox uid may have (RLIMIT_NPROC)"""
+    nproc: int = 1
+    """processes and threads the candidate may have, itself included (RLIMIT_NPROC, enforced by the kernel in the
+    namespace modes): 1 = no fork and no thread, so that no work can run outside the process the judge times"""
     output_bytes: int = 16_384
     """stdout and stderr kept per run (the rest is read and dropped)"""
     file_mb: int = 16
@@ -153,7 +154,20 @@ if mode in ("namespaces", "userns"):
         os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))
     os.setsid()
     MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_NOEXEC = 16384, 1 << 18, 2, 4, 8
+    MS_BIND, MS_REMOUNT, MS_RDONLY = 4096, 32, 1
     check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    # every mount read-only in this namespace (a bind remount changes this namespace's view, not the host's
+    # filesystem), so that nothing the candidate writes outlives the run: world-writable folders such as
+    # /run/lock would otherwise carry files from one judging to the next, and onto the host
+    KEEP = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21,
+            "strictatime": 1 << 24}  # flags a remount must repeat (a user namespace may not drop them)
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    for fields in mounts:
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | sum(KEEP.get(o, 0) for o in fields[5].split(","))
+        if libc.mount(None, target.encode(), None, flags, None) != 0 and os.path.lexists(target):
+            die("read-only remount of " + target + ": " + os.strerror(ctypes.get_errno()))
     opts = ("size=%dm,mode=1777" % cfg["file_mb"]).encode()
     for d in cfg["tmpfs"]:
         if os.path.isdir(d):
@@ -161,7 +175,6 @@ if mode in ("namespaces", "userns"):
     check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
     # the standard library may sit under a directory the sandbox uid cannot enter (/root/.pyenv):
     # expose it read-only at a path it can reach
-    MS_BIND, MS_REMOUNT, MS_RDONLY = 4096, 32, 1
     for i, src in enumerate(list(sys.path)):
         dst = "/tmp/.stdlib%d" % i
         if os.path.isdir(src) and "/tmp" in cfg["tmpfs"]:
@@ -190,6 +203,8 @@ if mode == "userns":  # nested user namespace: no capability over the mounts mad
     write_map("/proc/self/setgroups", "deny")
     write_map("/proc/self/uid_map", "1000 0 1")
     write_map("/proc/self/gid_map", "1000 0 1")
+    # the kernel counts RLIMIT_NPROC per user namespace: in this fresh one the candidate is the only process
+    resource.setrlimit(resource.RLIMIT_NPROC, (cfg["own_nproc"], cfg["own_nproc"]))
 elif os.geteuid() == 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
 if mode == "process":
@@ -267,6 +282,10 @@ class Proc:
     eof: set = field(default_factory=set)
     sched_start: tuple | None = None
     """the kernel's accounting of the process at its first timed call (`timed_call`)"""
+    sched_setup: tuple | None = None
+    """the same when the trusted setup was done, before any candidate code ran"""
+    sched_before: tuple | None = None
+    """the same at the start of the latest timed call"""
 
 
 _ISOLATION: dict = {}
@@ -302,7 +321,7 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
     tmpfs = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if not sys.base_prefix.startswith(d + "/")]
     r_fd, w_fd = os.pipe()
     cfg = dict(wfd=w_fd, uid=uid, mode=mode, scratch=scratch, memory_mb=limits.memory_mb, cpu_s=limits.cpu_s,
-               file_mb=limits.file_mb, nproc=nproc, entry=entry, tmpfs=tmpfs, label=limits.label)
+               file_mb=limits.file_mb, nproc=nproc, own_nproc=limits.nproc, entry=entry, tmpfs=tmpfs, label=limits.label)
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch or "/", "TMPDIR": scratch or "/tmp"}
     popen = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHILD_SRC, json.dumps(cfg)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(w_fd,), env=env,
@@ -326,6 +345,7 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
             raise RuntimeError(f"sandbox ({mode}) could not start: {frame.get('status')} {frame.get('msg')} "
                                f"{p.out['stderr'].decode(errors='replace')[-500:]}".strip())
     p.setup_done = True
+    p.sched_setup = _sched(p.inner_pid) if mode != "process" else None
     waited0 = _run_delay(p.inner_pid)
     try:
         sent = _send(p, source, limits.call_s)
@@ -471,10 +491,30 @@ def _reap(p: Proc, timeout: float) -> tuple:
     return p.popen.returncode, 0.0
 
 
+def _out_of_turn(p: Proc) -> bool:
+    """Whether reply bytes are waiting before a call was sent (the child writes only while it serves a call, so any
+    byte left after a reply was forged by the candidate); an end of file is left for `_reply` to classify."""
+    if p.buf:
+        return True
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.rfd, selectors.EVENT_READ)
+        if not sel.select(0):
+            return False
+    try:
+        chunk = os.read(p.rfd, 1 << 16)
+    except BlockingIOError:
+        return False
+    p.buf += chunk
+    return bool(chunk)
+
+
 def call(p: Proc, args: tuple, limits: Limits) -> tuple[dict, float]:
     """Call the candidate's entry point on `args`; the reply and the round-trip wall time in seconds."""
     if p.done:
         return {"status": "runtime_error", "msg": "the program is no longer running"}, 0.0
+    if _out_of_turn(p):  # a reply queued ahead would be read as the answer to this call, in no time
+        kill(p)
+        return {"status": "runtime_error", "msg": "the program wrote to the judge's reply channel out of turn"}, 0.0
     waited0 = _run_delay(p.inner_pid) if p.inner_pid else None
     t0 = time.perf_counter()
     try:
@@ -520,11 +560,12 @@ def timed_call(p: Proc, args: tuple, limits: Limits, clock: str = "cpu") -> tupl
     time for that program) when, at the end of the call, it has a second thread or a live child, when its reaped
     children or its exited threads have used CPU since its first timed call (seen in clock ticks), in the
     "process" isolation mode (the network and the machine's other processes are in reach there), and when the
-    accounting cannot be read. Left open: helpers that start and end within calls and use less than about one
-    clock tick (10 ms) in all the timed calls together.
+    accounting cannot be read. These checks are a second line: in the namespace modes no second thread or process
+    can start (RLIMIT_NPROC 1), which also closes what they miss (a child reaped by the kernel, whose CPU time
+    reaches no parent, while the main thread waits: tested in tests/test_sandbox.py).
     """
     usable = clock == "cpu" and p.inner_pid and p.mode != "process"
-    before = _sched(p.inner_pid) if usable else None
+    before = p.sched_before = _sched(p.inner_pid) if usable else None
     reply, wall = call(p, args, limits)
     after = _sched(p.inner_pid) if before is not None else None
     if before is None or after is None:
@@ -644,6 +685,10 @@ class Verdict:
     """every timed call's round trip, in seconds"""
     clock: str = ""
     """what `times` count: 'cpu' or 'wall' (asked for, or the fallback for a program the cpu count cannot judge)"""
+    setup_cpu: float | None = None
+    """CPU seconds the program spent before its first timed round (loading, the tests, the warm-up call: work no
+    round counts, which a program could spend building answers ahead; code_tasks.judge charges the excess over the
+    slow baseline's to every round); None where the cpu count is not used"""
     second_speedup: float | None = None
     """the paired speed-up of a second judging in fresh sandboxes (code_tasks.judge `confirm_floor`: set only when
     the first landed near the noise floor), else None"""
@@ -696,8 +741,8 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
 
     Each program runs in its own sandbox: the correctness tests first (they double as warm-up),
     then one warm-up call on timing[0], then `repeats` rounds; round r times every surviving
-    program once on timing[1 + ((r - 1) % (len(timing) - 1))] (distinct inputs per round defeat
-    answer caches), in a shuffled order, so that the programs of one round see the same load;
+    program once on timing[r] (an input that process has not seen: a memo of earlier answers never
+    hits; more rounds than inputs is an error), in a shuffled order, so that the programs of one round see the same load;
     with `pin_rounds` every program of a round runs on the same CPU (drawn per round). A call
     counts `clock` ('cpu': the candidate process's CPU time, see `timed_call`; 'wall': the round
     trip); a program whose cpu count cannot be trusted on some call (threads, child processes)
@@ -709,6 +754,9 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
     """
     if clock not in CLOCKS or statistic not in STATISTICS:
         raise ValueError(f"clock {clock!r} / statistic {statistic!r}: expected one of {CLOCKS} / {list(STATISTICS)}")
+    if timing and repeats > len(timing) - 1:
+        raise ValueError(f"{repeats} timed rounds need {repeats + 1} timing inputs (a warm-up and one new input a "
+                         f"round, so that no round can be answered from a cache), got {len(timing)}")
     expected = [canonical(e) for e in expected]
     timing_expected = [canonical(e) for e in timing_expected]
     verdicts: list = [None] * len(sources)
@@ -740,15 +788,14 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
             order_rng = random.Random(len(sources))
             cpus = sorted(os.sched_getaffinity(0))
             for r in range(repeats + 1):  # round 0 is the warm-up
-                k = 0 if r == 0 else 1 + (r - 1) % max(len(timing) - 1, 1)
                 order = list(procs)
                 order_rng.shuffle(order)
                 cpu = order_rng.choice(cpus)
                 for i in order:
                     if pin_rounds:
                         pin(procs[i], cpu)
-                    reply, seconds, counted = timed_call(procs[i], timing[k], limits, clock)
-                    status, msg = _check_reply(reply, timing_expected[k])
+                    reply, seconds, counted = timed_call(procs[i], timing[r], limits, clock)
+                    status, msg = _check_reply(reply, timing_expected[r])
                     if status == "wrong_output" and time_wrong_outputs:
                         verdicts[i] = verdicts[i] or Verdict("wrong_output", msg)
                     elif status != "ok":
@@ -757,6 +804,9 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
                     if r > 0:
                         verdicts[i] = verdicts[i] or Verdict("correct")
                         v = verdicts[i]
+                        p = procs[i]
+                        if r == 1 and counted is not None and p.sched_setup and p.sched_before:
+                            v.setup_cpu = (p.sched_before[0] - p.sched_setup[0]) * 1e-9
                         v.wall_times.append(seconds)
                         v.clock = "wall" if counted is None or v.clock == "wall" else clock
                         v.times = list(v.wall_times) if v.clock == "wall" else v.times + [counted]

@@ -20,14 +20,16 @@ from common import code_tasks, sandbox
 MODE = os.environ.get("TINYPOST_SANDBOX_MODE", "auto")  # force 'userns' or 'process' to test a fallback
 TOKEN = uuid.uuid4().hex[:12]
 LABEL = f"tp-sandbox-test-{TOKEN}"  # in the argv of this file's sandbox processes (others may run at the same time)
-LIMITS = sandbox.Limits(call_s=1.0, run_s=6.0, cpu_s=6, memory_mb=256, nproc=8, output_bytes=4096, mode=MODE,
-                        label=LABEL)
+LIMITS = sandbox.Limits(call_s=1.0, run_s=6.0, cpu_s=6, memory_mb=256, output_bytes=4096, mode=MODE, label=LABEL)
+THREADS_ALLOWED = dataclasses.replace(LIMITS, nproc=8)  # the wall-clock fallback for helpers, where they can start
 TESTS, EXPECTED = [(1,), (5,), (20,)], [3, 15, 60]  # solve(n) = 3 n
 TIMING = [(200_000 + i,) for i in range(4)]
 TIMING_EXPECTED = [3 * a[0] for a in TIMING]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ESCAPES = [f"/tmp/tp-escape-{TOKEN}", f"/var/tmp/tp-escape-{TOKEN}", f"/dev/shm/tp-escape-{TOKEN}",
+           f"/run/lock/tp-escape-{TOKEN}", f"/var/lock/tp-escape-{TOKEN}",
            os.path.join(ROOT, f"tp-escape-{TOKEN}"), os.path.expanduser(f"~/tp-escape-{TOKEN}")]
+WORLD_WRITABLE = ESCAPES[:5]  # private to the sandbox in the namespace modes; the machine's in "process" mode
 MARKER = LABEL.encode()
 SLEEP_ARG = f"987.{int(TOKEN, 16) % 10**9}"
 
@@ -147,9 +149,40 @@ def solve(n):
     return 3 * n
 """
     if not namespaced():  # a fresh uid can still write the world-writable dirs
-        src = src.replace(repr(ESCAPES), repr(ESCAPES[3:]))
+        src = src.replace(repr(ESCAPES), repr(ESCAPES[len(WORLD_WRITABLE):]))
     v, _ = judge(src)
     assert v.status == "correct" and "scratch ok" in v.stdout
+
+
+def test_nothing_outside_the_private_scratch_folders_is_writable():
+    """Every folder the candidate can reach (to depth 3, and the usual world-writable ones: /run/lock kept a cache
+    from one judging to the next, and on the host, before the mounts were made read-only)."""
+    if not namespaced():
+        pytest.skip("process mode has no mount namespace (see sandbox docstring)")
+    src = """
+import os
+def solve(n):
+    found, stack = [], [("/", 0)]
+    while stack:
+        path, depth = stack.pop()
+        if path.startswith(("/proc", "/sys/kernel")):
+            continue
+        if os.access(path, os.W_OK) and not path.startswith(("/tmp", "/var/tmp", "/dev/shm")):
+            found.append(path)
+        if depth < 3:
+            try:
+                stack += [(e.path, depth + 1) for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                pass
+    for path in ("/run/lock", "/var/lock", "/var/crash", "/var/mail", "/dev/mqueue", "/run/user", "/var/spool"):
+        if os.path.isdir(path) and os.access(path, os.W_OK):
+            found.append(path)
+    print("WRITABLE", found)
+    return 3 * n
+"""
+    limits = dataclasses.replace(LIMITS, call_s=10.0, run_s=30.0)
+    v = sandbox.run_program(src, [(1,)], [3], limits)
+    assert v.status == "correct" and "WRITABLE []" in v.stdout, v.stdout[:2000]
 
 
 def test_no_network():
@@ -265,7 +298,30 @@ def test_cpu_clock_counts_the_programs_work_not_its_waiting():
     assert work.runtime == min(work.times) > 0 and all(c <= w for c, w in zip(work.times, work.wall_times))
 
 
-def test_a_program_with_threads_or_child_processes_is_timed_by_wall_clock():
+def test_a_program_cannot_start_a_second_process_or_thread():
+    """The issue-36 escape: a child whose CPU time reaches no parent (SIGCHLD ignored, so the kernel reaps it) does
+    the work while the timed process blocks on a pipe; it was credited 48.7x. No second task can start now."""
+    if not namespaced() and os.geteuid() != 0:
+        pytest.skip("process mode without root: RLIMIT_NPROC counts the trainer's own processes")
+    reaped_helper = """
+import os, signal
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+def solve(n):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.write(w, str(3 * n).encode())
+        os._exit(0)
+    os.close(w)
+    return int(os.read(r, 100))
+"""
+    thread = "import threading\nthreading.Thread(target=print).start()\ndef solve(n):\n    return 3 * n\n"
+    spawn = "import subprocess\ndef solve(n):\n    return int(subprocess.check_output(['echo', str(3 * n)]))\n"
+    for src in (reaped_helper, thread, spawn):
+        v = sandbox.measure([src], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=3)[0]
+        assert v.status == "runtime_error" and not v.times, (v.status, v.message)
+
+
+def test_where_helpers_can_start_a_program_with_them_is_timed_by_wall_clock():
     # a helper could work while the main thread waits: the cpu count of one process would not see that work
     thread = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n" \
              "def solve(n):\n    return 3 * n\n"
@@ -276,8 +332,8 @@ def test_a_program_with_threads_or_child_processes_is_timed_by_wall_clock():
              "def solve(n):\n    t = threading.Thread(target=work, args=(n,))\n    t.start()\n    t.join()\n" \
              "    return 3 * n\n"  # the thread is gone when the call returns; its CPU time is not
     alone = "def solve(n):\n    return 3 * n\n"
-    verdicts = sandbox.measure([thread, child, joined, alone], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS,
-                               repeats=3)
+    verdicts = sandbox.measure([thread, child, joined, alone], TESTS, EXPECTED, TIMING, TIMING_EXPECTED,
+                               THREADS_ALLOWED, repeats=3)
     for v, clock in zip(verdicts, ("wall", "wall", "wall", "cpu" if namespaced() else "wall")):
         assert v.status == "correct" and v.clock == clock and len(v.times) == 3
         if clock == "wall":
@@ -317,6 +373,23 @@ def solve(n):
     return 0
 """
     assert judge(patch_runner)[0].status == "wrong_output"
+    ahead = """
+import json, os, struct, sys
+wfd = json.loads(sys.argv[1])["wfd"]
+def solve(n):
+    data = json.dumps({"status": "ok", "value": 3 * (n + 1)}).encode()  # a guess at the next call's answer
+    os.write(wfd, struct.pack("<I", len(data)) + data)
+    return 3 * n
+"""
+    assert judge(ahead)[0].status in ("wrong_output", "runtime_error")
+    p, first = sandbox.start(ahead, LIMITS)
+    try:  # replies queued ahead of a call: the call fails instead of taking them as its answer in no time
+        assert first["status"] == "ready" and sandbox.call(p, (1,), LIMITS)[0]["value"] == 6
+        time.sleep(0.2)
+        reply, _ = sandbox.call(p, (2,), LIMITS)
+        assert reply["status"] == "runtime_error" and "out of turn" in reply["msg"], reply
+    finally:
+        sandbox.kill(p)
     garbage = "import json, os, sys\nwfd = json.loads(sys.argv[1])['wfd']\n" \
               "def solve(n):\n    os.write(wfd, b'\\xff\\xff\\xff\\x7f' + b'x' * 100)\n    return 3 * n\n"
     assert judge(garbage)[0].status == "wrong_output"
@@ -377,6 +450,8 @@ def solve(n):
     for _ in range(2):  # two runs: nothing survives from the first
         v = sandbox.measure([src], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=3)[0]
         assert v.status == "correct" and len(v.times) == 3 and "HIT" not in v.stdout
+    with pytest.raises(ValueError, match="need 5 timing inputs"):  # a round would repeat an input: a memo would hit
+        sandbox.measure([src], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=4)
 
 
 def test_embedded_tasks_slow_and_fast_references_differ_far_beyond_noise():
