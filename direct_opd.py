@@ -14,10 +14,11 @@ estimated on the student's top-K support V_t (K = 16) with renormalised, detache
     w_t(v) = softmax_{v in V_t} log pi_old(v | s_t)        A_t(v) = w_t(v) Delta_T(v | s_t)
 
 and optimised with a PPO-clip loss summed over the K entries of each position, plus a k3 KL on the
-sampled token to the student's initial weights whose coefficient adapts in [0.5, 2.5] (see
-`topk_clipped_surrogate` and `update_kl_coef`). No verifier enters the loss: its accuracy is only
-logged. Per position, the KL-regularised optimum is pi_ref (pi_T_post / pi_T_pre)^(1 / beta): beta = 1
-copies the teacher's shift; the official beta in [0.5, 2.5] takes between its square and its 0.4th power.
+sampled token to the student's initial weights whose coefficient adapts in [0.5, 2.5], moved by each batch's
+mean A before that batch's update, as in the official trainer (see `topk_clipped_surrogate` and `update_kl_coef`).
+No verifier enters the loss: its accuracy is only logged. Per position, the KL-regularised optimum is
+pi_ref (pi_T_post / pi_T_pre)^(1 / beta): beta = 1 copies the teacher's shift; the official beta in [0.5, 2.5]
+takes between its square and its 0.4th power.
 
 This is NOT vanilla on-policy distillation, whose reward log pi_T_post - log pi_theta pulls the student
 toward the weak teacher's endpoint; `--reward vanilla_opd` runs that for comparison. `--reward
@@ -45,7 +46,7 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
     delta_opd/weighted_reward_mean     mean A_t(v) over valid top-K entries (its sign drives the KL coefficient)
     delta_opd/sampled_logratio         mean teacher log-ratio on the sampled tokens (teacher vs student for vanilla_opd)
     delta_opd/topk_mass                mean student probability mass inside the top-K support
-    kl/coef                            the KL coefficient beta used at this step
+    kl/coef                            the KL coefficient beta used at this step (already moved by this step's batch)
     eval/teacher_{pre,post}_greedy_accuracy   held-out greedy accuracy of each teacher (step 0)
 
     python direct_opd.py                    # CPU demo: builds the weak pair once (~2 min), then 200 steps (~3.5 min)
@@ -371,10 +372,16 @@ def main(args: Args) -> dict:
         adv_BCK = adv_BCK * mask_BC.unsqueeze(-1)
         batch.update(topk_ids_BCK=topk_ids_BCK, old_logp_BCK=old_logp_BCK, old_logp_BC=old_logp_BC,
                      ref_logp_BC=ref_logp_BC, adv_BCK=adv_BCK)
+        # the adaptive KL coefficient from this batch's mean of A over valid top-K entries (all ranks), set BEFORE
+        # this batch's update, as the official trainer sets kl_loss_coef before update_actor: step t uses beta_t
+        valid_BCK = mask_BC.unsqueeze(-1).expand_as(adv_BCK)
+        wr = all_reduce_sum(torch.tensor([adv_BCK.sum().item(), valid_BCK.sum().item()], dtype=torch.float64))
+        weighted_reward_mean = (wr[0] / wr[1].clamp(min=1)).item()
+        kl_coef = update_kl_coef(kl_coef, weighted_reward_mean, args.kl_adapt_rate, args.kl_coef_min, args.kl_coef_max)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
-            sums, grad_norms, kl_coef_used = {}, [], kl_coef
+            sums, grad_norms = {}, []
             for _ in range(args.num_iterations):
                 order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
                 for mb in order.split(args.minibatch_size):
@@ -393,12 +400,6 @@ def main(args: Args) -> dict:
             optimizer.zero_grad(set_to_none=True)  # gradients freed before a vllm engine wakes
             engine.sync_weights(model)
 
-        # ALGO LOGIC: 6. adaptive KL coefficient from the batch mean of A over valid top-K entries (all ranks)
-        valid_BCK = mask_BC.unsqueeze(-1).expand_as(adv_BCK)
-        wr = all_reduce_sum(torch.tensor([adv_BCK.sum().item(), valid_BCK.sum().item()], dtype=torch.float64))
-        weighted_reward_mean = (wr[0] / wr[1].clamp(min=1)).item()
-        kl_coef = update_kl_coef(kl_coef, weighted_reward_mean, args.kl_adapt_rate, args.kl_coef_min, args.kl_coef_max)
-
         # TRY NOT TO MODIFY: metrics (grpo.py's names where they mean the same; new ones in the module docstring);
         # loss/* are means over optimizer steps, the other sums are over tokens
         n_valid = max(mask_BC.sum().item(), 1.0)
@@ -410,7 +411,7 @@ def main(args: Args) -> dict:
             "delta_opd/weighted_reward_mean": weighted_reward_mean,
             "delta_opd/sampled_logratio": ((post_logp_BC - base_logp_BC) * mask_BC).sum().item() / n_valid,
             "delta_opd/topk_mass": (topk_mass_BC * mask_BC).sum().item() / n_valid,
-            "kl/coef": kl_coef_used,
+            "kl/coef": kl_coef,
             **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
                              mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
             **rollout_perf_metrics(rollouts, times, args.num_iterations, device),

@@ -97,6 +97,31 @@ def test_adaptive_kl_coefficient_moves_with_the_reward_sign_inside_its_range():
     assert direct_opd.update_kl_coef(1.0, 0.0, 0.01, 0.5, 2.5) == 1.0
 
 
+def test_kl_coefficient_is_updated_from_the_current_batch_before_its_update(tmp_path, tiny_model_dir,
+                                                                           shifted_model_dir, monkeypatch):
+    """As the official trainer: beta_t = update(beta_{t-1}, mean A of batch t) is set before step t's actor update,
+    so step 1's loss already uses the beta moved by step 1's batch (and kl/coef logs that beta)."""
+    used = []  # the beta of every micro-batch loss, in order
+    loss_fn = direct_opd.micro_batch_loss
+    monkeypatch.setattr(direct_opd, "micro_batch_loss",
+                        lambda model, batch, rows, args, num_tokens, kl_coef:
+                        used.append(kl_coef) or loss_fn(model, batch, rows, args, num_tokens, kl_coef))
+    out = direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir,
+                                "--teacher-post", shifted_model_dir, "--total-steps", "2", "--run-name", "beta",
+                                "--kl-coef", "1.0", "--kl-coef-min", "0.1", "--kl-coef-max", "5.0",
+                                "--kl-adapt-rate", "0.5"))
+    rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
+    beta, want = 1.0, []
+    for r in rows:
+        assert r["delta_opd/weighted_reward_mean"] != 0  # a real shift: beta moves at every step
+        beta = direct_opd.update_kl_coef(beta, r["delta_opd/weighted_reward_mean"], 0.5, 0.1, 5.0)
+        want.append(beta)
+    assert want[0] != 1.0  # step 1 must not use the initial beta
+    per_step = len(used) // len(rows)
+    assert [used[i * per_step:(i + 1) * per_step] for i in range(len(rows))] == [[b] * per_step for b in want]
+    assert [r["kl/coef"] for r in rows] == want
+
+
 @pytest.mark.parametrize("kl", ["zero", "default"])
 def test_identical_teachers_give_zero_advantage_and_no_parameter_change(tmp_path, tiny_model_dir, shifted_model_dir,
                                                                         kl):
@@ -139,7 +164,9 @@ def test_ablation_rewards_run(tmp_path, tiny_model_dir, shifted_model_dir, rewar
                                 "--teacher-post", shifted_model_dir, "--total-steps", "1", "--reward", reward,
                                 "--run-name", reward))
     last = out["last"]
-    assert math.isfinite(last["loss/policy"]) and last["adv/mean_abs"] > 0 and last["kl/coef"] == 2.5
+    assert math.isfinite(last["loss/policy"]) and last["adv/mean_abs"] > 0
+    # beta of step 1 is already moved by step 1's batch (vanilla OPD's teacher-minus-student mean is negative)
+    assert last["kl/coef"] == direct_opd.update_kl_coef(2.5, last["delta_opd/weighted_reward_mean"], 0.01, 0.5, 2.5)
     assert ("adv/frac_zero_std" in last) == (reward == "direct_plus_grpo")
 
 
