@@ -5,23 +5,28 @@ on hidden tests and times it against the task's slow baseline (T_b) and fast ref
 re-timed in the same interleaved rounds. The reward never pays for speed without correctness:
 
     failure ladder   s(no program) = -0.05 < s(compile error) = 0 < s(crash/timeout) = 0.05 < s(wrong) = 0.10
-    if correct       R = max(0.15, CGRE + 0.16 [s > 1] + 0.10 [q >= 1/1.02]),
+    if correct       R = max(0.15, CGRE + 0.16 [s > 1] + 0.10 [T_c <= 1.02 T_r]),
                      CGRE = clip((T_b - T_b/s) / (T_b - T_r), 0, 1)
-                     s = credit(T_b / T_c, f_b), q = credit(T_r / T_c, f_r)   (credited speed-ups)
+                     s = credit(T_b / T_c, f_b)   (the credited speed-up)
                      credit(x, f) = 1 if 1/f <= x <= f, else x / f (x > f) or x f (x < 1/f)
 
-so every correct program (>= 0.15) outranks every failure (<= 0.10). With f = 1 these are the papers' terms
-(FBR = [T_c < T_b], RBR = [T_c <= 1.02 T_r]); f_b and f_r are each task's noise floors, measured at start.
+so every correct program (>= 0.15) outranks every failure (<= 0.10). With f_b = 1 these are the papers' terms
+(FBR = [T_c < T_b], RBR = [T_c <= 1.02 T_r]); f_b is the task's noise floor, measured at start. Noise only ever
+withholds credit: the floor shrinks the speed-up, and the expert-match term RBR keeps the paper's 2 % (a floor there
+would pay a program measurably slower than the expert).
 
-Timing (common/code_tasks.py `judge`, common/sandbox.py `measure`), so that the speed terms hold under load:
-each program of a task, and the two references, run in their own sandbox; after the tests and one warm-up call,
---timing-repeats rounds each call every program once, in a shuffled order, all on one CPU drawn for the round;
-a call counts the CPU time of the program's own process, read by the judge from the kernel (waiting for a CPU
-is not counted; a program with threads or child processes is counted by wall clock). A program's speed-up
-T_b / T_c is the median over rounds of the per-round ratio to the slow baseline, so that what slows a round
-slows both; a speed-up that lands near the noise floor (between f and --confirm-band x f, or as far below 1) is
-judged once more in fresh sandboxes and the one closer to 1 is kept. The timing inputs make the slow baseline run
-~55-100 ms a call here. Noise floor: at start, each task
+Timing (common/code_tasks.py `judge`, common/sandbox.py `measure`), so that the speed terms hold under load and
+cannot be gamed: each program of a task, and the two references, run in their own sandbox (one process, one
+thread, a read-only filesystem but for private scratch folders); after the tests and one warm-up call,
+--timing-repeats rounds each call every program once on an input drawn anew for this judging and new to the
+process, in a shuffled order, all on one CPU drawn for the round; a call counts the CPU time of the program's own
+process, read by the judge from the kernel (waiting for a CPU is not counted). A program's speed-up T_b / T_c is
+the median over rounds of the per-round ratio to the slow baseline, so that what slows a round slows both, at most
+its first round's ratio (later rounds could reuse state from earlier calls), with CPU spent before the first round
+beyond twice the baseline's charged to every round (a table built at import); a speed-up that lands near the noise
+floor (between f and --confirm-band x f, or as far below 1) is judged once more in fresh sandboxes and the one
+closer to 1 is kept. The timing inputs make the slow baseline run ~55-100 ms a call here. Noise floor: at start,
+each task
 judges a copy of each reference --calibration-scorings times against the references, exactly as a candidate;
 f = max(--min-noise-floor, exp(--noise-floor-margin x max |log self-speed-up|)) (logged as `timing calibration
 ...` and timing/noise_floor), so that an equal program is credited 1 and earns no speed reward; the least floor,
@@ -65,8 +70,8 @@ import tyro
 
 from common import sandbox
 from common.args import RunArgs
-from common.code_tasks import (CODE_MODEL, calibrate, ensure_code_model, extract_program, judge, render_code_prompt,
-                               select_tasks)
+from common.code_tasks import (CODE_MODEL, calibrate, check_timing_inputs, ensure_code_model, extract_program, judge,
+                               render_code_prompt, select_tasks)
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, global_std, init_distributed, shard_models
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
@@ -207,12 +212,17 @@ def credited_speedup(speedup: float, floor: float = 1.0) -> float:
 
 
 def speed_terms(t_c: float, t_b: float, t_r: float, tol: float = 1.02, floors=(1.0, 1.0)) -> tuple:
-    """(CGRE, FBR, RBR) from the credited speed-ups s = credited(T_b / T_c, floor_b) and q = credited(T_r / T_c,
-    floor_r): CGRE = clip((T_b - T_b/s) / (T_b - T_r), 0, 1), FBR = [s > 1] = [T_c floor_b < T_b],
-    RBR = [q >= 1/tol] = [T_c <= tol floor_r T_r]. With floors (1, 1) they are the papers' terms exactly."""
+    """(CGRE, FBR, RBR) from the credited speed-up s = credited(T_b / T_c, floor_b): CGRE = clip((T_b - T_b/s) /
+    (T_b - T_r), 0, 1), FBR = [s > 1] = [T_c floor_b < T_b], RBR = [T_c <= tol T_r] (the paper's term: widening it
+    by the fast reference's noise floor, floors[1], would pay a program up to that factor slower than the expert).
+    With floors (1, 1) they are the papers' terms exactly.
+
+    >>> speed_terms(0.025, 1.0, 0.01, floors=(1.2, 2.59))[2], speed_terms(0.0101, 1.0, 0.01, floors=(1.2, 2.59))[2]
+    (0.0, 1.0)
+    """
     s = credited_speedup(t_b / t_c, floors[0])
     cgre = min(max((t_b - t_b / s) / max(t_b - t_r, 1e-12), 0.0), 1.0)
-    return cgre, float(t_c * floors[0] < t_b), float(t_c <= tol * floors[1] * t_r)
+    return cgre, float(t_c * floors[0] < t_b), float(t_c <= tol * t_r)
 
 
 def staged_reward(status: str, t_c: float | None, t_b: float, t_r: float, tol: float = 1.02,
@@ -472,6 +482,7 @@ def score_file(args: Args) -> dict:
     if args.task not in tasks:
         raise SystemExit(f"error: --task {args.task}: no such task (have {sorted(tasks)})")
     task = tasks[args.task]
+    check_timing_inputs([task], args.timing_repeats)
     try:
         with open(args.score_file, errors="replace") as f:
             source = f.read(1 << 20)
@@ -503,6 +514,7 @@ def main(args: Args) -> dict:
     model_path = ensure_code_model() if args.model_name == CODE_MODEL else args.model_name
     tokenizer = load_tokenizer(model_path)
     train_tasks = select_tasks(args.dataset, args.tasks)
+    check_timing_inputs(train_tasks, args.timing_repeats)
     eval_tasks = train_tasks  # the same tasks: the evaluation measures the policy, not generalisation
     print(f"sandbox isolation: {sandbox.isolation()}")
     calibrate_timing(train_tasks, args)  # each task's noise floors, measured once before any program is judged

@@ -89,15 +89,25 @@ def test_credited_speedup_and_noise_floors_with_hand_values():
     assert rlpf.staged_reward("correct", T_B / 1.2, T_B, T_R, floors=(1.25, 1.0)) == pytest.approx(0.15)
     cgre = (T_B - T_B / 2.0) / (T_B - T_R)  # raw 2.5x with floor 1.25 -> credited 2x
     assert rlpf.staged_reward("correct", T_B / 2.5, T_B, T_R, floors=(1.25, 1.0)) == pytest.approx(cgre + 0.16)
-    # RBR: within tolerance x the fast floor of T_r, whatever the slow floor
-    assert rlpf.speed_terms(1.5 * T_R, T_B, T_R, 1.02, (1.25, 1.5))[2] == 1.0
-    assert rlpf.speed_terms(1.6 * T_R, T_B, T_R, 1.02, (1.25, 1.5))[2] == 0.0
+    # RBR: within the tolerance of T_r, whatever the floors (noise only withholds credit, never grants it)
+    assert rlpf.speed_terms(1.02 * T_R, T_B, T_R, 1.02, (1.25, 1.5))[2] == 1.0
+    assert rlpf.speed_terms(1.03 * T_R, T_B, T_R, 1.02, (1.25, 1.5))[2] == 0.0
     assert rlpf.dmc_reward("correct", T_B / 1.25, T_B, T_B / 1.44, floors=(1.0, 1.0)) == 1.0  # >= sqrt(1.44)
     assert rlpf.dmc_reward("correct", T_B / 1.25, T_B, T_B / 1.44, floors=(1.1, 1.0)) == -1.0  # 1.14 credited
     # floors (1, 1): the papers' formula exactly
     for t in RUNTIMES[1:]:
         paper = max(0.15, min(max((T_B - t) / (T_B - T_R), 0), 1) + 0.16 * (t < T_B) + 0.10 * (t <= 1.02 * T_R))
         assert rlpf.staged_reward("correct", t, T_B, T_R) == pytest.approx(paper)
+
+
+def test_a_program_measurably_slower_than_the_expert_gets_no_expert_match_bonus():
+    """Issue 37: with the fast reference's noise floor 2.59, a correct program 2.5x slower than the expert was paid
+    the expert-match bonus (1.240 against 1.145 under the paper's terms)."""
+    floors = (1.2, 2.59)
+    slower = rlpf.staged_reward("correct", 2.5 * T_R, T_B, T_R, floors=floors)
+    assert rlpf.speed_terms(2.5 * T_R, T_B, T_R, 1.02, floors)[2] == 0.0
+    assert slower == pytest.approx(rlpf.staged_reward("correct", 2.5 * T_R, T_B, T_R, floors=(1.2, 1.0)))
+    assert slower < rlpf.staged_reward("correct", T_R, T_B, T_R, floors=floors) - 0.09  # the expert's own speed
 
 
 def test_a_speed_up_near_the_floor_is_judged_again_and_the_one_closer_to_1_kept():
@@ -166,6 +176,58 @@ def test_an_equal_speed_candidate_earns_no_speed_credit(tmp_path):
     assert all(x["status"] == "correct" for x in scored)
     credited = [x for x in scored if x["reward"] > rlpf.CORRECT_FLOOR]
     assert not credited, [(x["speedup"], x["reward"]) for x in scored]
+
+
+SLOW_LOOP = "    t = 0\n    for i in range(n):\n        t += i\n"
+GAMES = {  # slow programs that try to be paid for speed they do not have (issue 36 and what its fixes might miss)
+    "helper process whose CPU reaches no parent": "import os, signal\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+        "def solve(n):\n    r, w = os.pipe()\n    if os.fork() == 0:\n" + SLOW_LOOP.replace("    ", "        ")
+        + "        os.write(w, str(t).encode())\n        os._exit(0)\n    os.close(w)\n    return int(os.read(r, 99))\n",
+    "answers cached in world-writable folders": "import json, os\ndef solve(n):\n"
+        "    for d in ('/run/lock', '/var/lock', '/tmp', '/dev/shm', '/var/tmp', '.'):\n"
+        "        try:\n            return json.load(open(os.path.join(d, 'tp-game-%d' % n)))\n"
+        "        except (OSError, ValueError):\n            pass\n" + SLOW_LOOP
+        + "    for d in ('/run/lock', '/var/lock'):\n        try:\n"
+        "            json.dump(t, open(os.path.join(d, 'tp-game-%d' % n), 'w'))\n        except OSError:\n"
+        "            pass\n    return t\n",
+    "memo": "CACHE = {}\ndef solve(n):\n    if n in CACHE:\n        return CACHE[n]\n" + SLOW_LOOP
+        + "    CACHE[n] = t\n    return t\n",
+    "extends an earlier answer": "SEEN = [(0, 0)]\ndef solve(n):\n"
+        "    m, t = max(x for x in SEEN if x[0] <= n)\n    for i in range(m, n):\n        t += i\n"
+        "    SEEN.append((n, t))\n    return t\n",
+    "table built at import": "import itertools\nT = [0] + list(itertools.accumulate(range(1_700_000)))\n"
+        "def solve(n):\n    if n < len(T):\n        return T[n]\n" + SLOW_LOOP + "    return t\n",
+    "table built in the warm-up call": "import itertools\nT = []\ndef solve(n):\n    if n > 10_000 and not T:\n"
+        "        T.extend([0] + list(itertools.accumulate(range(1_700_000))))\n    if n < len(T):\n"
+        "        return T[n]\n" + SLOW_LOOP + "    return t\n",
+    "table built after the first timed round": "import itertools\nT, CALLS = [], [0]\ndef solve(n):\n"
+        "    CALLS[0] += 1\n    if CALLS[0] == 10 and not T:  # 7 tests, the warm-up, round 1, then build\n"
+        "        T.extend([0] + list(itertools.accumulate(range(1_700_000))))\n    if n < len(T):\n"
+        "        return T[n]\n" + SLOW_LOOP + "    return t\n",
+    "the inputs of an earlier judging learnt by heart": "KNOWN = %r\ndef solve(n):\n    if n in KNOWN:\n"
+        "        return KNOWN[n]\n" + SLOW_LOOP + "    return t\n",
+}
+
+
+def test_slow_programs_that_game_the_timing_are_never_paid_for_speed(tmp_path):
+    """Each game judged through --score-file on sum_range: never credited a speed-up beyond the noise floor (reward
+    at most the correct floor 0.15), nothing left behind on the host; the honest slow and fast programs keep their
+    status and credit. Before issue 36's fixes the helper process got 48.7x (reward 1.138), a /run/lock cache 180x
+    on its second judging (1.155), the memo 1.25x (0.196)."""
+    from common.code_tasks import TASKS
+
+    task = TASKS["sum_range"]
+    known = {a[0]: sum(range(a[0])) for a in task.timing}  # a judging's inputs: every judging draws new ones
+    games = {name: src % known if "%r" in src else src for name, src in GAMES.items()}
+    before = {d: set(os.listdir(d)) for d in ("/run/lock", "/tmp", "/dev/shm") if os.path.isdir(d)}
+    for name, src in games.items():
+        for judging in range(2 if "cached" in name else 1):  # a cache must also miss on the next judging
+            x = score(tmp_path, src)
+            assert x["reward"] <= rlpf.CORRECT_FLOOR and (x["credited_speedup"] or 0) <= 1.0, (name, judging, x)
+    assert {d: set(os.listdir(d)) for d in before} == before
+    slow, fast = score(tmp_path, task.slow), score(tmp_path, task.fast)
+    assert slow["status"] == fast["status"] == "correct" and slow["reward"] == rlpf.CORRECT_FLOOR
+    assert fast["credited_speedup"] > 20 and fast["reward"] > 1.0, fast
 
 
 def test_score_file_command_exits_zero_whatever_the_candidate_does(tmp_path):
