@@ -8,12 +8,17 @@ active adapter receives gradients, and each adapter trains on its own disjoint s
     Stage 3  critic m: policy gradient on x' = [proposals ; x] with A_C = R_C - 2 acc_G  (counterfactual)
              (--no-counterfactual: the GRPO group z-score of R_C instead)
 
+A proposal shown to a critic is the generator's whole response, cut to its last --proposal-tokens tokens (where its
+final answer is) when longer; --critic-sees answers shows only the extracted final answers (the ablation).
+
     R_acc = 1[y^ == y]
     lam   = 0.5 - (len(y^) - min_i len(y^_i)) / (max_i len(y^_i) - min_i len(y^_i))    (min/max over the group)
     R_len = lam if correct else min(0, lam)          (0 for the whole group when all lengths are equal)
 
 Deployment (`debate`): round 1 the generators answer x; rounds 2..R the critics answer x with the previous round's
 answers shown as proposals; accuracy is the paper's rule, the mean over critics of the final round's correctness.
+Stage 2 proposals are sampled at --proposal-temperature (critics train on varied proposals); the debate's are greedy.
+A proposal cut at --max-new-tokens scores 0 in acc_G, as in training and in the debate.
 Metrics: grpo.py's names for the active agent plus mada/* (docs/mada_rl.md), one step counter across agents.
 Left out, on purpose: a KL term and reference model, a separate sampler (vLLM), resume (rerun the script).
 A_C is used as is (no running-std rescaling). Length is counted in completion tokens (eos included).
@@ -89,7 +94,7 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     group_size: int = 8
     """G: completions sampled per prompt"""
     proposal_temperature: float = 1.0
-    """Stage 2: temperature at which the trained generators answer the critics' problems (0: greedy)"""
+    """Stage 2: temperature at which the trained generators answer the critics' problems (0: greedy, as the debate)"""
 
     # Optimisation
     generator_steps: int = 80
@@ -102,6 +107,12 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     # Algorithm
     counterfactual: bool = True
     """critic advantage A_C = R_C - 2 acc_G; --no-counterfactual: GRPO group z-score of R_C (the ablation)"""
+    critic_sees: Literal["responses", "answers"] = "responses"
+    """what a critic is shown of each proposal: the generator's whole response (the paper's x' = [x ; y^_1 ; ...]),
+    cut to --proposal-tokens, or only its extracted final answer (the ablation). A testbed reply is its answer"""
+    proposal_tokens: int = 1024
+    """token budget of each response shown to a critic: a longer one keeps its last proposal_tokens tokens, where its
+    final answer is (0: never cut; a response is at most --max-new-tokens)"""
     acc_weight: float = 2.0
     """weight of R_acc in R = w R_acc + R_len (and of acc_G in the counterfactual baseline); the paper: 2"""
     adv_eps: float = 1e-6
@@ -232,31 +243,54 @@ def split_problems(problems: list, k: int, seed: int) -> list[list]:
     return [unique[i::k] for i in range(k)]
 
 
-def proposal_text(completion: str, problem) -> str:
-    """The answer a proposal shows to a critic: the bare answer on the testbed, the extracted final answer else."""
+def final_answer(completion: str, problem) -> str:
+    """The final answer of a reply (what the votes count): the testbed's whole one-line reply, the extracted final
+    answer else."""
     if problem.task == "testbed":
         return " ".join(completion.split())[:16]
     return extract_answer(completion, problem.task) or "(no final answer)"
 
 
+def proposal_text(completion: str, problem, tokenizer, critic_sees: str, proposal_tokens: int) -> str:
+    """What a critic is shown of one proposal: the whole response, cut to its last `proposal_tokens` tokens when
+    longer ('responses'), or its final answer ('answers'; on the testbed, where a reply is its answer, always).
+
+    >>> from common.testbed import Problem
+    >>> p = Problem(question="What is 40 + 2?", answer="42", task="nl")
+    >>> proposal_text("40 + 2 = 42. The answer is 42.", p, None, "answers", 0)
+    '42'
+    """
+    if critic_sees == "answers" or problem.task == "testbed":
+        return final_answer(completion, problem)
+    ids = tokenizer(completion.strip(), add_special_tokens=False)["input_ids"]
+    if proposal_tokens and len(ids) > proposal_tokens:
+        return "..." + tokenizer.decode(ids[-proposal_tokens:])
+    return completion.strip()
+
+
 def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
-    """x' = the other agents' answers, then the question (testbed: `Prop:17\\nProp:16\\nQ:...\\nA:`)."""
+    """x' = the other agents' proposals, then the question (testbed: `Prop:17\\nProp:16\\nQ:...\\nA:`); a proposal
+    of several lines is one indented list item."""
     if problem.task == "testbed":  # the testbed's compact prompt, with one Prop: line per proposal
         return "".join(f"Prop:{a}\n" for a in proposals) + render_testbed_prompt(problem.question)
-    header = "Answers proposed by other agents:\n" + "\n".join(f"- {a}" for a in proposals) + "\n\n"
+    items = ["- " + a.replace("\n", "\n  ") for a in proposals]
+    header = "Answers proposed by other agents:\n" + "\n".join(items) + "\n\n"
     return render_prompt(problem, tokenizer, template=header.replace("{", "{{").replace("}", "}}") + MATH_TEMPLATE)
 
 
 # Deployment: the multi-round debate
 @torch.no_grad()
 def debate(model, engine, tokenizer, problems: list, generators: list[str], critics: list[str], rounds: int,
-           max_new_tokens: int, max_prompt_tokens: int = 0) -> tuple[list[list[list[str]]], list[list[list[bool]]]]:
+           max_new_tokens: int, max_prompt_tokens: int = 0, critic_sees: str = "responses",
+           proposal_tokens: int = 0) -> tuple[list[list[list[str]]], list[list[list[bool]]]]:
     """answers[r][a][i]: round r's agent a's greedy answer to problem i (round 0: generators, then critics), and
-    cut[r][a][i]: whether that answer ran to max_new_tokens without a stop token (it scores 0, as in training)."""
+    cut[r][a][i]: whether that answer ran to max_new_tokens without a stop token (it scores 0, as in training).
+    A critic is shown the previous round's answers as `proposal_text` gives them."""
     answers, cut = [], []
     for r in range(rounds):
         texts = ([render_prompt(p, tokenizer) for p in problems] if r == 0 else
-                 [render_critic_prompt(p, [proposal_text(a[i], p) for a in answers[-1]], tokenizer)
+                 [render_critic_prompt(p, [proposal_text(a[i], p, tokenizer, critic_sees, proposal_tokens)
+                                           for a in answers[-1]], tokenizer)
                   for i, p in enumerate(problems)])
         prompt_ids = encode_prompts(tokenizer, texts, max_prompt_tokens)
         round_answers, round_cut = [], []
@@ -272,7 +306,7 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
 
 def majority(answers: list[str], problem) -> str:
     """The most common answer (ties: the one given first)."""
-    keys = [proposal_text(a, problem) for a in answers]
+    keys = [final_answer(a, problem) for a in answers]
     best = Counter(keys).most_common(1)[0][1]
     return next(a for a, k in zip(answers, keys) if keys.count(k) == best)
 
@@ -285,8 +319,8 @@ def debate_samples(answers: list[list[list[str]]], cut: list[list[list[bool]]], 
     final, final_cut = answers[-1][0][:k], cut[-1][0][:k]
     correct = score(final, problems[:k], final_cut)
     return [{"prompt_tail": p.question[-200:], "completion": final[i], "truncated": final_cut[i], "gold": p.answer,
-             "level": p.level, "correct": correct[i], "generator_answers": [proposal_text(a[i], p) for a in answers[0]],
-             "proposals": [proposal_text(a[i], p) for a in answers[-2]] if len(answers) > 1 else None}
+             "level": p.level, "correct": correct[i], "generator_answers": [final_answer(a[i], p) for a in answers[0]],
+             "proposals": [final_answer(a[i], p) for a in answers[-2]] if len(answers) > 1 else None}
             for i, p in enumerate(problems[:k])]
 
 
@@ -424,15 +458,17 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
 
 
 def critic_records(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[tuple]:
-    """Stage 2: (problem, the generators' answers, acc_G) for each critic problem."""
+    """Stage 2: (problem, the generators' proposals as a critic sees them, acc_G) for each critic problem; a proposal
+    cut at max_new_tokens counts as wrong in acc_G, as in training and in the debate."""
     prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
     outs = []
     for name in generators:
         use_adapter(model, name)
         outs.append(engine.generate(prompt_ids, n=1, temperature=max(args.proposal_temperature, 1e-6), top_p=args.top_p,
-                                    max_new_tokens=args.max_new_tokens, greedy=args.proposal_temperature <= 0).texts)
-    correct_NP = np.array([score(o, problems) for o in outs])
-    return [(p, [proposal_text(o[i], p) for o in outs], float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
+                                    max_new_tokens=args.max_new_tokens, greedy=args.proposal_temperature <= 0))
+    correct_NP = np.array([score(o.texts, problems, o.truncated_B) for o in outs])
+    return [(p, [proposal_text(o.texts[i], p, tokenizer, args.critic_sees, args.proposal_tokens) for o in outs],
+             float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
 
 
 def load_run_agents(run_dir: str, args: Args, device: str):
@@ -464,7 +500,14 @@ def main(args: Args) -> dict:
     check_at_least(args, 1, "num_generators", "debate_rounds")
     if args.num_critics < 1 and args.debate_rounds > 1:
         fail(f"--num-critics {args.num_critics}: rounds 2..{args.debate_rounds} of the debate need critics")
-    check_at_least(args, 0, "generator_steps", "critic_steps")
+    check_at_least(args, 0, "generator_steps", "critic_steps", "proposal_tokens")
+    shown = max(args.num_generators, args.num_critics if args.debate_rounds > 2 else 0)  # proposals in a critic prompt
+    budget = min(args.proposal_tokens or args.max_new_tokens, args.max_new_tokens)  # tokens of one shown response
+    if args.critic_sees == "responses" and args.max_prompt_tokens and shown * budget >= args.max_prompt_tokens:
+        fail(f"--max-prompt-tokens {args.max_prompt_tokens}: a critic prompt shows {shown} responses of up to {budget} "
+             f"tokens each (--proposal-tokens {args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}) before "
+             "its question, and would lose its first proposals: raise --max-prompt-tokens, lower --proposal-tokens, "
+             "or pass --critic-sees answers")
     check_run_args(dataclasses.replace(args, total_steps=max(args.total_steps, 1)))
     run_dir = start_run(args, rank)  # seeds python, numpy and torch; batch sizes; the run folder
     train_problems, eval_problems = load_train_eval(args)
@@ -490,7 +533,8 @@ def main(args: Args) -> dict:
 
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer
         answers, cut = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics,
-                              args.debate_rounds, args.max_new_tokens, args.max_prompt_tokens)
+                              args.debate_rounds, args.max_new_tokens, args.max_prompt_tokens, args.critic_sees,
+                              args.proposal_tokens)
         answers, cut = ([[gather_shares(a) for a in rnd] for rnd in x] for x in (answers, cut))
         return {**debate_metrics(answers, eval_problems, len(generators), cut),
                 "samples/eval": debate_samples(answers, cut, eval_problems, args.log_samples)}

@@ -51,7 +51,8 @@ def run_seed(args: mada_rl.Args, out_dir: str) -> dict:
 
     def metrics(critic_set):
         answers, cut = mada_rl.debate(model, engine, tokenizer, heldout, gens, critic_set, args.debate_rounds,
-                                      args.max_new_tokens)
+                                      args.max_new_tokens, args.max_prompt_tokens, args.critic_sees,
+                                      args.proposal_tokens)
         return mada_rl.debate_metrics(answers, heldout, len(gens), cut)
 
     t0 = time.time()

@@ -1,5 +1,6 @@
 """mada_rl.py: the length reward, the counterfactual critic advantage on the four agreement buckets,
-adapter switching (only the active adapter receives gradients), disjoint data splits, the critic prompt,
+adapter switching (only the active adapter receives gradients), disjoint data splits, the critic prompt (worked
+responses, cut to a budget, or answers only), acc_G with cut proposals,
 the debate's final-answer rule, --help, and a short in-process run of all three stages."""
 
 import io
@@ -7,6 +8,7 @@ import json
 import os
 from contextlib import redirect_stdout
 from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,6 +162,69 @@ def test_critic_prompt_testbed_format():
     p = Problem(question="7+5+3+2", answer="17", task="testbed")
     text = mada_rl.render_critic_prompt(p, ["17", "16", "19"], tokenizer=None)  # the testbed needs no tokenizer
     assert text == "Prop:17\nProp:16\nProp:19\nQ:7+5+3+2\nA:"
+
+
+# What a critic sees: the generators' worked responses (Stage 2 and the debate alike), cut to a token budget
+WORKED = "Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82."
+NL_PROBLEM = Problem(question="What is 47 + 35?", answer="82", task="nl")
+
+
+class ScriptedEngine:
+    """Gives every prompt the same reply (cut at max_new_tokens or not) and keeps the prompts it was given."""
+
+    def __init__(self, reply: str, truncated: bool = False):
+        self.reply, self.truncated, self.prompts = reply, truncated, []
+
+    def generate(self, prompt_ids, n=1, **kwargs):
+        self.prompts.append(prompt_ids)
+        rows = len(prompt_ids) * n
+        return SimpleNamespace(texts=[self.reply] * rows, truncated_B=torch.tensor([self.truncated] * rows))
+
+
+def _agents(tiny_model_dir, *flags):
+    from common.models import load_tokenizer
+
+    args = tyro.cli(mada_rl.Args, args=["--model-name", tiny_model_dir, "--num-generators", "2", "--num-critics", "1",
+                                        "--lora-r", "2", *flags])
+    model = mada_rl.make_agents(load_model(tiny_model_dir), ["gen0", "gen1", "critic0"], args)
+    return model, load_tokenizer(tiny_model_dir), args
+
+
+def test_a_worked_response_reaches_the_critic_prompt_in_stage_2_and_in_the_debate(tiny_model_dir):
+    model, tok, args = _agents(tiny_model_dir)
+    records = mada_rl.critic_records(model, ScriptedEngine(WORKED), tok, [NL_PROBLEM], ["gen0", "gen1"], args)
+    (problem, proposals, acc_g), = records
+    assert proposals == [WORKED, WORKED] and acc_g == 1.0
+    assert "- " + WORKED in mada_rl.render_critic_prompt(problem, proposals, tok)  # the prompt Stage 3 trains on
+    engine = ScriptedEngine(WORKED)
+    mada_rl.debate(model, engine, tok, [NL_PROBLEM], ["gen0", "gen1"], ["critic0"], 2, 8,
+                   critic_sees=args.critic_sees, proposal_tokens=args.proposal_tokens)
+    critic_prompt = tok.decode(engine.prompts[-1][0])  # round 2: the critic's prompt (the last generate)
+    assert critic_prompt.count(WORKED) == 2 and NL_PROBLEM.question in critic_prompt
+
+
+def test_critic_sees_answers_only_with_the_ablation_flag_and_long_responses_keep_their_end(tiny_model_dir):
+    model, tok, args = _agents(tiny_model_dir, "--critic-sees", "answers")
+    (_, proposals, _), = mada_rl.critic_records(model, ScriptedEngine(WORKED), tok, [NL_PROBLEM], ["gen0"], args)
+    assert proposals == ["82"]
+    cut = mada_rl.proposal_text(WORKED, NL_PROBLEM, tok, "responses", 20)  # byte-level tokenizer: 20 characters
+    assert cut == "..." + WORKED[-20:] and cut.endswith("The answer is 82.")
+    assert mada_rl.proposal_text(WORKED, NL_PROBLEM, tok, "responses", 0) == WORKED  # 0: never cut
+
+
+def test_a_proposal_cut_at_max_new_tokens_counts_as_wrong_in_acc_g(tiny_model_dir):
+    """As in training and in the debate: a cut reply scores 0 whatever its text says."""
+    model, tok, args = _agents(tiny_model_dir)
+    (_, _, acc_g), = mada_rl.critic_records(model, ScriptedEngine(WORKED, truncated=True), tok, [NL_PROBLEM],
+                                            ["gen0", "gen1"], args)
+    assert acc_g == 0.0
+
+
+def test_critic_prompt_budget_is_a_one_line_error_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: --max-prompt-tokens 20: a critic prompt shows 3 responses of up "
+                                         r"to 8 tokens"):
+        mada_rl.main(tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--max-prompt-tokens", "20"]))
+    assert os.listdir(tmp_path) == []
 
 
 def test_debate_metrics_final_rule_and_buckets():
