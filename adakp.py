@@ -52,9 +52,9 @@ from common.logger import RunLogger, check_run_args, open_checkpoint, sample_row
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
                             sampler_correction, split_completions)
-from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics,
-                        weight_metrics)
+from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts,
+                        minibatch_order, resume_state, rollout_perf_metrics, sample_step, start_run, step_bar, timed,
+                        update_metrics, weight_metrics)
 from common.verifiers import format_reward, score
 
 
@@ -329,7 +329,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.model_name, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
     model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model, args) if args.beta > 0 else None
+    ref_model = frozen_copy(model) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
@@ -474,7 +474,7 @@ def main(args: Args) -> dict:
         with timed(times, "update"):
             sums, grad_norms = {}, []
             for _ in range(args.num_iterations):
-                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)

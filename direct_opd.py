@@ -81,7 +81,7 @@ from common.evaluate import evaluate, evaluator
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
-from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, resume_state,
+from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, minibatch_order, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.testbed import ensure_testbed_teacher_pair
 from common.verifiers import score
@@ -309,7 +309,7 @@ def main(args: Args) -> dict:
     run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
     train_problems, eval_problems = load_train_eval(args)
     model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model, args)
+    ref_model = frozen_copy(model)
     post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
     pre_model = load_model(args.teacher_pre, args.dtype, device).eval().requires_grad_(False)
     model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
@@ -383,7 +383,7 @@ def main(args: Args) -> dict:
         with timed(times, "update"):
             sums, grad_norms = {}, []
             for _ in range(args.num_iterations):
-                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     num_tokens = minibatch_counts(mask_BC[mb])[0]  # tokens in the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)

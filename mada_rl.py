@@ -55,8 +55,8 @@ from common.logger import RunLogger, check_run_args, fail, sample_rows
 from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
                            load_tokenizer, use_adapter)
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (load_train_eval, make_optimizer, minibatch_counts, rollout_perf_metrics, sample_step,
-                        start_run, timed, update_metrics, without_samples)
+from common.run import (load_train_eval, make_optimizer, minibatch_counts, minibatch_order, rollout_perf_metrics,
+                        sample_step, start_run, timed, update_metrics, without_samples)
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 
@@ -412,7 +412,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         with timed(times, "update"):
             sums, grad_norms = {}, []
             for _ in range(args.num_iterations):
-                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)

@@ -77,8 +77,8 @@ from common.dist import all_reduce_grads, all_reduce_mean, global_std, init_dist
 from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
-from common.run import (first_evaluation, make_optimizer, minibatch_counts, resume_state, rollout_perf_metrics,
-                        sample_step, start_run, step_bar, timed, update_metrics, without_samples)
+from common.run import (first_evaluation, make_optimizer, minibatch_counts, minibatch_order, resume_state,
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples)
 
 
 @dataclass
@@ -519,7 +519,7 @@ def main(args: Args) -> dict:
     print(f"sandbox isolation: {sandbox.isolation()}")
     calibrate_timing(train_tasks, args)  # each task's noise floors, measured once before any program is judged
     model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model, args) if args.beta > 0 else None
+    ref_model = frozen_copy(model) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_tasks, args.seed + rank)
@@ -577,7 +577,7 @@ def main(args: Args) -> dict:
         with timed(times, "update"):
             sums, grad_norms = {}, []
             for _ in range(args.num_iterations):
-                order = torch.randperm(args.batch_size) if args.num_minibatches > 1 else torch.arange(args.batch_size)
+                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)

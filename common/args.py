@@ -48,7 +48,8 @@ class RunArgs(ExperimentArgs):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """compute precision. bfloat16 / float16: forward and backward in that dtype (autocast; under --fsdp, FSDP2's
     bfloat16 copies of the parameters with gradients reduced in float32) over float32 master weights, gradients and
-    AdamW state; frozen models (reference, teachers) are stored in it (docs/fsdp.md: bytes per parameter)"""
+    AdamW state; frozen teachers are stored in it, the reference as the policy is, so that the two agree exactly at
+    step 0 (common.models.frozen_copy; docs/fsdp.md: bytes per parameter)"""
     master_weights: bool = True
     """with --dtype bfloat16 / float16, keep the trained weights in float32; --no-master-weights stores them in
     --dtype (half their memory, but AdamW updates below half a bfloat16 step round away: a warning is printed)"""
@@ -87,8 +88,10 @@ class RunArgs(ExperimentArgs):
     share_prompt: bool = False
     """the update and the no-grad log-prob passes take each group's prompt through the model once and repeat its KV
     cache for the group's rows: the prompt costs 1/G of a forward and backward (on SmolLM2 with 80-token prompts,
-    benchmarks/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit; it needs a
-    group's rows in one micro-batch (--micro-batch-size a multiple of --group-size) and no --gradient-checkpointing"""
+    benchmarks/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit, so every
+    pass of a step takes the same path: with several mini-batches the update shuffles whole groups
+    (common.run.minibatch_order). It needs a group's rows in one micro-batch (--micro-batch-size a multiple of
+    --group-size); with --gradient-checkpointing it could not share (no KV cache), and is an error"""
 
     # Filled in at runtime
     batch_size: int = 0

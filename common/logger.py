@@ -258,6 +258,9 @@ def check_run_args(args, min_group_size: int = 2) -> None:
     if args.eval_samples > 0 and args.eval_pass_k > args.eval_samples:
         fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
              "(pass@k is estimated from that many samples per problem)")
+    if args.share_prompt and args.gradient_checkpointing:
+        fail("--share-prompt cannot share under --gradient-checkpointing: checkpointed layers keep no KV cache, so the "
+             "policy's passes would take the plain forward and only the reference's would share; drop one of the two")
     if getattr(args, "tis", "none") != "none" and args.rollout_backend != "vllm":
         fail(f"--tis {args.tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
              "samples from the trainer itself (use --rollout-backend vllm)")

@@ -237,11 +237,18 @@ def load_policy(name: str, args, device: str):
     return model
 
 
-def frozen_copy(model, args):
-    """A frozen copy of the policy (the reference model), stored in --dtype: the policy's own numerics (same
-    autocast) in float32, half the memory in bfloat16 / float16, where a frozen model loses nothing."""
-    ref = copy.deepcopy(model).eval().requires_grad_(False)
-    return ref.to(getattr(torch, args.dtype)) if args.dtype != "float32" else ref
+def frozen_copy(model):
+    """A frozen copy of the policy (the reference model) that computes exactly as the policy does, so that the KL
+    to it is exactly 0 at step 0: the same weights, dtypes and buffers, and the same forward (a deepcopy keeps the
+    hooks of `autocast_forward`; under --fsdp, `shard_models` gives both the same bfloat16 parameter copies).
+
+    Under --dtype bfloat16 / float16 the copy therefore keeps the policy's float32 weights: 4 bytes a parameter
+    instead of 2, so a plain run holds 20 bytes a parameter instead of 18, and --fsdp 20/N instead of 18/N
+    (docs/fsdp.md). Stored in bfloat16, the copy ran its embeddings, norms and residual stream in bfloat16 where the
+    policy's autocast keeps them in float32, and its rotary frequencies (a buffer) in bfloat16 even under --fsdp: at
+    step 0 SmolLM2's reference log-probs were up to 0.55 from the policy's (k3 KL 0.011 a token), testbed-weak's
+    0.087, and 0.13 under --fsdp, where the rotary frequencies were the only difference (issue 36)."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def load_score_model(path: str, dtype: str = "float32"):

@@ -518,8 +518,10 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     returns them) and there are at least two rows per prompt on average, each distinct prompt goes through the
     model once and its KV cache is repeated for the group's rows, so the prompt costs 1/G of a full forward and
     backward. Gradients through the repeated cache sum over the group, as the full forward's do, but the result is
-    not bit-identical to the plain forward (the attention is computed in another order: differences of ~1e-7), so
-    it is off by default: the trainers take it with --share-prompt.
+    not bit-identical to the plain forward (the attention is computed in another order): in float32 the completion
+    log-probs differ by up to 5e-6 on testbed-weak and 2e-5 on SmolLM2 (means 8e-7 and 2e-6), in bfloat16 by up to
+    0.035 on testbed-weak. So it is off by default (the trainers take it with --share-prompt), and the passes of one
+    step must all take the same path (common.run.minibatch_order).
     """
     B, T = input_ids_BT.shape
     C = T - prompt_len
@@ -579,9 +581,10 @@ class _TokenLogprobs(torch.autograd.Function):
             lse_bc = z_bcV.logsumexp(-1)
             lse_BC[rows, cols] = lse_bc
             logp_BC[rows, cols] = z_bcV.gather(-1, targets_BC[rows, cols, None]).squeeze(-1) - lse_bc
-            if with_entropy:  # H = lse - sum_v p_v z_v
-                p_bcV = (z_bcV - lse_bc[..., None]).exp()
-                entropy_BC[rows, cols] = lse_bc - (p_bcV * z_bcV).sum(-1)
+            if with_entropy:  # H = -sum_v p_v log p_v, with 0 log 0 = 0 (a -inf logit); not lse - sum_v p_v z_v,
+                logp_bcV = z_bcV - lse_bc[..., None]  # which cancels two numbers of the logits' size
+                plogp_bcV = logp_bcV.exp() * logp_bcV
+                entropy_BC[rows, cols] = -plogp_bcV.masked_fill_(logp_bcV == -torch.inf, 0.0).sum(-1)
         ctx.save_for_backward(logits_BCV, targets_BC, lse_BC)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy_BC)

@@ -89,6 +89,26 @@ def sample_step(args, step: int) -> bool:
                                      or bool(extra and step % extra == 0))
 
 
+def minibatch_order(args) -> torch.Tensor:
+    """The batch's rows in the order an epoch's mini-batches take them (`order.split(args.minibatch_size)`): in order
+    for one mini-batch, else shuffled; with --share-prompt a whole group at a time, its rows adjacent and in order,
+    so that the update shares each group's prompt as the old log-probs' pass did (`common.rollout.completion_logits`).
+    Rows shuffled one by one would take the plain forward there, which rounds differently: at equal weights the
+    ratio would not be 1 (issue 36).
+
+    >>> from types import SimpleNamespace
+    >>> order = minibatch_order(SimpleNamespace(batch_size=6, group_size=2, num_minibatches=3, share_prompt=True))
+    >>> sorted(order.view(3, 2).tolist())
+    [[0, 1], [2, 3], [4, 5]]
+    """
+    if args.num_minibatches == 1:
+        return torch.arange(args.batch_size)
+    if not args.share_prompt:
+        return torch.randperm(args.batch_size)
+    G = args.group_size
+    return (torch.randperm(args.batch_size // G)[:, None] * G + torch.arange(G)).flatten()
+
+
 def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the

@@ -88,6 +88,19 @@ def test_share_prompt_gives_the_plain_update_to_float_rounding(tmp_path, weak_mo
     assert diff < 0.05 * update, (diff, update)  # AdamW divides by sqrt(v): near-zero gradients amplify rounding
 
 
+def test_share_prompt_ratio_is_1_at_learning_rate_0_with_several_minibatches(tmp_path, weak_model_dir):
+    """--share-prompt with 2 mini-batches under bfloat16: the update shuffles whole groups, so its forward shares
+    each prompt as the old log-probs' pass did and, at unchanged weights (lr 0), the ratio is exactly 1 (issue 36:
+    rows shuffled one by one took the plain forward, and SmolLM2 logged approx_kl 1.2e-3)."""
+    out = grpo.main(_args(tmp_path, "--total-steps", "1", "--dtype", "bfloat16", "--share-prompt",
+                          "--num-minibatches", "2", "--micro-batch-size", "8", "--learning-rate", "0",
+                          "--temperature", "2", "--log-samples", "0", "--run-name", "ratio1"))
+    # (temperature 2: 16-token completions; the testbed's 3-token answers are too short for the paths to differ.
+    # Shuffled row by row, this run logged approx_kl 2.8e-6)
+    (row,) = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
+    assert row["policy/approx_kl"] == 0.0 and row["policy/clip_frac"] == 0.0, row
+
+
 def test_log_samples_zero_writes_no_samples(tmp_path, weak_model_dir):
     out = grpo.main(_args(tmp_path, "--total-steps", "1", "--log-samples", "0", "--run-name", "nosamples"))
     assert not os.path.exists(os.path.join(out["run_dir"], "samples.jsonl"))

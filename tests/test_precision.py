@@ -7,6 +7,7 @@ import torch
 import tyro
 
 import grpo
+from common.logger import read_metrics
 from common.models import frozen_copy, load_model, load_policy
 
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "6", "--num-eval-problems", "4",
@@ -56,11 +57,23 @@ def test_policy_keeps_float32_weights_and_computes_in_bfloat16(weak_model_dir):
     ids = torch.tensor([[5, 6, 7]])
     assert model(input_ids=ids).logits.dtype == torch.bfloat16  # matmuls under autocast
     assert not torch.is_autocast_enabled("cpu")  # the region ends with the forward
-    ref = frozen_copy(model, args)
-    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16} and not any(p.requires_grad for p in ref.parameters())
+    ref = frozen_copy(model)
+    assert {p.dtype for p in ref.parameters()} == {torch.float32} and not any(p.requires_grad for p in ref.parameters())
     assert model(input_ids=ids).logits.dtype == torch.bfloat16  # the copy did not take the policy's hooks away
+    assert torch.equal(ref(input_ids=ids).logits, model(input_ids=ids).logits)  # and computes as the policy does
     plain = load_policy(weak_model_dir, tyro.cli(grpo.Args, args=[]), "cpu")
     assert plain(input_ids=ids).logits.dtype == torch.float32
+
+
+def test_reference_computes_as_the_bfloat16_policy_so_the_first_kl_is_exactly_0(tmp_path, weak_model_dir):
+    """--dtype bfloat16 --beta 0.04: at step 0 the reference's log-probs are the policy's bit for bit, so the first
+    update's KL term is exactly 0, as in float32 (issue 36: a reference stored in bfloat16 was up to 0.087 nats from
+    the policy on this model and logged a KL of about 1e-4)."""
+    args = tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), "--run-name", "kl0", *TINY, "--total-steps", "1",
+                                     "--dtype", "bfloat16", "--beta", "0.04"])
+    run = grpo.main(args)
+    (row,) = [r for r in read_metrics(os.path.join(run["run_dir"], "metrics.jsonl")) if "loss/kl" in r]
+    assert row["loss/kl"] == 0.0, row["loss/kl"]
 
 
 def test_autocast_region_closes_when_the_forward_raises(weak_model_dir):

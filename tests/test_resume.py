@@ -242,6 +242,7 @@ CONTRADICTIONS = [  # (trainer, flags, message); the model does not exist: the f
     ("grpo", ["--group-size", "1"], r"--group-size 1 must be at least 2"),
     ("grpo", ["--eval-samples", "2", "--eval-pass-k", "4"], r"--eval-pass-k 4 is larger than --eval-samples 2"),
     ("grpo", ["--micro-batch-size", "0"], r"--micro-batch-size 0 must be at least 1"),
+    ("grpo", ["--share-prompt", "--gradient-checkpointing"], r"--share-prompt cannot share under --gradient-che"),
     ("rloo_sec", ["--group-size", "1"], r"--group-size 1 must be at least 2"),
     ("rloo_sec", ["--eval-samples", "2", "--eval-pass-k", "3"], r"--eval-pass-k 3 is larger than --eval-samples 2"),
     ("oc_grpo", ["--num-minibatches", "3"], r"--num-minibatches 3 does not divide"),
