@@ -38,13 +38,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rlpf  # noqa: E402
 from common import code_tasks, sandbox  # noqa: E402
 
+def old_lists(rng: random.Random) -> tuple:
+    """Two lists of 2000 values below 8000 (count_common's inputs before issue 32)."""
+    return tuple([rng.randrange(8000) for _ in range(2000)] for _ in range(2))
+
+
 OLD_TIMING = {  # the timing inputs before issue 32 (timing[0] is the warm-up), to time the old method on its data
     "sum_range": [(400_000 + i,) for i in range(4)],
     "sum_squares": [(300_000 + i,) for i in range(4)],
     "count_multiples": [(400_000, 3), (400_001, 7), (400_002, 5), (400_003, 11)],
     "has_duplicate": [(random.Random(s).sample(range(10**6), 2000),) for s in range(4)],
-    "count_common": [(lambda rng: tuple([rng.randrange(8000) for _ in range(2000)] for _ in range(2)))(random.Random(s))
-                     for s in range(4)],
+    "count_common": [old_lists(random.Random(s)) for s in range(4)],
 }
 BUSY_LOOP = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 EQUAL_RANGE = {"idle": (0.9, 1.1), "busy": (0.8, 1.25)}  # the issue's acceptance ranges for the equal program
@@ -91,7 +95,8 @@ def run_condition(name: str, tasks: list, cli, limits) -> dict:
     try:
         time.sleep(1.0 if busy else 0.0)
         for task in tasks:
-            old_task = dataclasses.replace(task, timing=OLD_TIMING[task.name], draw_timing=None) if task.name in OLD_TIMING else None
+            old_task = (dataclasses.replace(task, timing=OLD_TIMING[task.name], draw_timing=None)
+                        if task.name in OLD_TIMING else None)
             cal = code_tasks.calibrate(task, limits, cli.repeats, cli.calibration_scorings, cli.margin, cached=False,
                                        least=cli.min_floor)
             alone = tuple(code_tasks.noise_floor(cal[k], cli.margin) for k in ("slow_self", "fast_self"))

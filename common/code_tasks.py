@@ -313,7 +313,8 @@ def judge(task: CodeTask, programs: list, limits: sandbox.Limits | None = None, 
     round could use state kept from earlier calls (an answer, a partial sum to extend, a table built lazily), the
     first cannot (the warm-up inputs are about 1 % of the timed ones), and for an honest program taking the smaller
     only withholds credit within the noise (a stateful program's first round lands beyond the noise floor by noise
-    alone, and then the second judging of the confirmation band must land there too). Timing inputs are drawn anew for each judging where the task can (`timing_inputs`).
+    alone, and then the second judging of the confirmation band must land there too). Timing inputs are drawn anew
+    for each judging where the task can (`timing_inputs`).
 
     With `confirm_floor` (the task's noise floor against the slow baseline), a timed program whose speed-up lands
     in the confirmation band (`in_confirm_band`) is judged once more with the references, in fresh sandboxes, and

@@ -321,7 +321,8 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
     tmpfs = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if not sys.base_prefix.startswith(d + "/")]
     r_fd, w_fd = os.pipe()
     cfg = dict(wfd=w_fd, uid=uid, mode=mode, scratch=scratch, memory_mb=limits.memory_mb, cpu_s=limits.cpu_s,
-               file_mb=limits.file_mb, nproc=nproc, own_nproc=limits.nproc, entry=entry, tmpfs=tmpfs, label=limits.label)
+               file_mb=limits.file_mb, nproc=nproc, own_nproc=limits.nproc, entry=entry, tmpfs=tmpfs,
+               label=limits.label)
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch or "/", "TMPDIR": scratch or "/tmp"}
     popen = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHILD_SRC, json.dumps(cfg)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(w_fd,), env=env,
@@ -742,7 +743,8 @@ def measure(sources: list, tests: list, expected: list, timing: list, timing_exp
     Each program runs in its own sandbox: the correctness tests first (they double as warm-up),
     then one warm-up call on timing[0], then `repeats` rounds; round r times every surviving
     program once on timing[r] (an input that process has not seen: a memo of earlier answers never
-    hits; more rounds than inputs is an error), in a shuffled order, so that the programs of one round see the same load;
+    hits; more rounds than inputs is an error), in a shuffled order, so that the programs of one
+    round see the same load;
     with `pin_rounds` every program of a round runs on the same CPU (drawn per round). A call
     counts `clock` ('cpu': the candidate process's CPU time, see `timed_call`; 'wall': the round
     trip); a program whose cpu count cannot be trusted on some call (threads, child processes)

@@ -182,7 +182,8 @@ SLOW_LOOP = "    t = 0\n    for i in range(n):\n        t += i\n"
 GAMES = {  # slow programs that try to be paid for speed they do not have (issue 36 and what its fixes might miss)
     "helper process whose CPU reaches no parent": "import os, signal\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
         "def solve(n):\n    r, w = os.pipe()\n    if os.fork() == 0:\n" + SLOW_LOOP.replace("    ", "        ")
-        + "        os.write(w, str(t).encode())\n        os._exit(0)\n    os.close(w)\n    return int(os.read(r, 99))\n",
+        + "        os.write(w, str(t).encode())\n        os._exit(0)\n"
+        "    os.close(w)\n    return int(os.read(r, 99))\n",
     "answers cached in world-writable folders": "import json, os\ndef solve(n):\n"
         "    for d in ('/run/lock', '/var/lock', '/tmp', '/dev/shm', '/var/tmp', '.'):\n"
         "        try:\n            return json.load(open(os.path.join(d, 'tp-game-%d' % n)))\n"
@@ -219,12 +220,13 @@ def test_slow_programs_that_game_the_timing_are_never_paid_for_speed(tmp_path):
     task = TASKS["sum_range"]
     known = {a[0]: sum(range(a[0])) for a in task.timing}  # a judging's inputs: every judging draws new ones
     games = {name: src % known if "%r" in src else src for name, src in GAMES.items()}
-    before = {d: set(os.listdir(d)) for d in ("/run/lock", "/tmp", "/dev/shm") if os.path.isdir(d)}
     for name, src in games.items():
         for judging in range(2 if "cached" in name else 1):  # a cache must also miss on the next judging
             x = score(tmp_path, src)
             assert x["reward"] <= rlpf.CORRECT_FLOOR and (x["credited_speedup"] or 0) <= 1.0, (name, judging, x)
-    assert {d: set(os.listdir(d)) for d in before} == before
+    left = [f for d in ("/run/lock", "/var/lock", "/tmp", "/dev/shm", "/var/tmp", ROOT) if os.path.isdir(d)
+            for f in os.listdir(d) if f.startswith("tp-game-")]  # only the games' own files: others use /tmp too
+    assert left == []
     slow, fast = score(tmp_path, task.slow), score(tmp_path, task.fast)
     assert slow["status"] == fast["status"] == "correct" and slow["reward"] == rlpf.CORRECT_FLOOR
     assert fast["credited_speedup"] > 20 and fast["reward"] > 1.0, fast
