@@ -201,3 +201,21 @@ def test_hf_sampler_logprobs_equal_the_trainers_on_smollm2(smollm2_dir, loop):
     trainer_BC = batched_logprobs(model, ro, temperature=1.3, micro_batch_size=4)
     m = ro.completion_mask_BC.bool()
     assert m.sum() > len(problems) * 2 and (trainer_BC - ro.sampler_logp_BC)[m].abs().max().item() < 1e-3  # not vacuous
+
+
+def test_mada_rl_critic_sees_a_worked_response_cut_by_smollm2_tokens(smollm2_dir):
+    """The critic's view of a proposal depends on the tokenizer (its budget is in tokens): with SmolLM2's BPE and
+    chat template, a worked response reaches the critic prompt whole, and a cut keeps its end, the final answer."""
+    import mada_rl
+    from common.data import Problem
+    from common.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    worked = "Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82."
+    problem = Problem(question="What is 47 + 35?", answer="82", task="nl")
+    whole = mada_rl.proposal_text(worked, problem, tok, "responses", 1024)
+    prompt = mada_rl.render_critic_prompt(problem, [whole, "The answer is 80."], tok)
+    assert whole == worked and "- " + worked in prompt and problem.question in prompt
+    cut = mada_rl.proposal_text(worked, problem, tok, "responses", 8)
+    assert cut.startswith("...") and cut.endswith("The answer is 82.") and len(cut) < len(worked)
+    assert len(tok(cut[3:], add_special_tokens=False)["input_ids"]) <= 9  # 8 tokens, give or take a merge at the cut
