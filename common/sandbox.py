@@ -551,6 +551,22 @@ def _sched(pid: int) -> tuple | None:
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
+def _off_cpu(pid: int, timeout: float = 0.05) -> int:
+    """Wait (at most `timeout`) until the process is off the CPU, and return `pid`. The kernel adds a running
+    task's time to the account /proc shows when it leaves the CPU (or at a tick): read while the child still runs
+    after sending its reply, the account can miss the whole call (a fast call was counted 0 ns)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "R":
+                    break
+        except (OSError, IndexError):
+            break
+        time.sleep(0.0002)
+    return pid
+
+
 def timed_call(p: Proc, args: tuple, limits: Limits, clock: str = "cpu") -> tuple[dict, float, float | None]:
     """`call`, plus the count `clock` asks for: (reply, wall seconds, counted seconds or None).
 
@@ -566,9 +582,9 @@ def timed_call(p: Proc, args: tuple, limits: Limits, clock: str = "cpu") -> tupl
     reaches no parent, while the main thread waits: tested in tests/test_sandbox.py).
     """
     usable = clock == "cpu" and p.inner_pid and p.mode != "process"
-    before = p.sched_before = _sched(p.inner_pid) if usable else None
+    before = p.sched_before = _sched(_off_cpu(p.inner_pid)) if usable else None
     reply, wall = call(p, args, limits)
-    after = _sched(p.inner_pid) if before is not None else None
+    after = _sched(_off_cpu(p.inner_pid)) if before is not None else None
     if before is None or after is None:
         return reply, wall, None
     first = p.sched_start = p.sched_start or before  # checked over all timed calls so far, so that ticks add up
