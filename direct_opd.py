@@ -28,7 +28,7 @@ of the official `token_reward_direct_plus_grpo` estimator, off by default there 
 Four models: the student (trained), a frozen copy of it (pi_ref), and the frozen teacher pair. All
 three must share one vocabulary: the student's token ids go to the teachers unchanged; this is
 checked before anything is loaded. The demo's weak pair is testbed-weak before and after a short
-rejection-sampling fine-tuning on level 3 (common.testbed.ensure_testbed_teacher_pair: built once,
+rejection-sampling fine-tuning on level 3 (grounds.testbed_models.ensure_testbed_teacher_pair: built once,
 about a minute, and cached); with any other --teacher-pre, --teacher-post is required.
 
 Left out, on purpose: the official recipe's several sequential shifts (run the script again with the
@@ -74,23 +74,29 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.args import TrainArgs
+from common.args import TrainArgs, check_run_args
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate, evaluator
-from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.logger import RunLogger, sample_rows
 from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
 from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, minibatch_order, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.testbed import ensure_testbed_teacher_pair
 from common.verifiers import score
+from grounds import path_of
+from grounds.testbed_models import ensure_testbed_teacher_pair
 
 
 @dataclass
 class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, sampling, optimiser, data, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
+    eval_samples: int = 4
+    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
+    eval_pass_k: int = 4
+    """k of the logged eval/pass_at_k"""
     model_name: str = "testbed-strong"
     """the student: 'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
 
@@ -299,19 +305,21 @@ def main(args: Args) -> dict:
     check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
     ckpt = open_checkpoint(args.resume, rank, world)
     # the student's token ids go to the teachers unchanged: one vocabulary, checked before any model loads
-    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
+    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
+    teacher_pre_path = path_of(args.teacher_pre)
+    tokenizer = load_tokenizer(model_path, args.system_prompt)
     vocab_check = {f"student ({args.model_name})": tokenizer, f"teacher_pre ({args.teacher_pre})":
-                   load_tokenizer(args.teacher_pre)}
+                   load_tokenizer(teacher_pre_path)}
     if args.teacher_post:
-        vocab_check[f"teacher_post ({args.teacher_post})"] = load_tokenizer(args.teacher_post)
+        vocab_check[f"teacher_post ({args.teacher_post})"] = load_tokenizer(path_of(args.teacher_post))
     check_same_vocab(vocab_check)
-    teacher_post = args.teacher_post or default_teacher_post(args.teacher_pre)
+    teacher_post = path_of(args.teacher_post) if args.teacher_post else default_teacher_post(args.teacher_pre)
     run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
     train_problems, eval_problems = load_train_eval(args)
-    model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
+    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model)
     post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
-    pre_model = load_model(args.teacher_pre, args.dtype, device).eval().requires_grad_(False)
+    pre_model = load_model(teacher_pre_path, args.dtype, device).eval().requires_grad_(False)
     model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
     optimizer, scheduler = make_optimizer(model.parameters(), args)
     sampler = PromptSampler(train_problems, args.seed + rank)

@@ -33,7 +33,6 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
 
-import dataclasses
 import json
 import os
 import random
@@ -47,11 +46,11 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common.args import TrainArgs, check_at_least
+from common.args import TrainArgs, check_at_least, check_run_args, fail
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
 from common.dist import (all_reduce_grads, all_reduce_mean, gather_shares, init_distributed, is_sharded, rank_world,
                          shard_models)
-from common.logger import RunLogger, check_run_args, fail, sample_rows
+from common.logger import RunLogger, sample_rows
 from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
                            load_tokenizer, use_adapter)
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
@@ -59,6 +58,7 @@ from common.run import (load_train_eval, make_optimizer, minibatch_counts, minib
                         sample_step, start_run, timed, update_metrics, without_samples)
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
+from grounds import path_of
 
 
 @dataclass
@@ -130,10 +130,6 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     """R: debate rounds at deployment (1: generators only; the paper's main setting: 2)"""
     eval_every: int = 0
     """also run the held-out debate every N global steps (0: only before training, after Stage 1 and at the end)"""
-    eval_samples: int = 0
-    """unused by the debate (greedy answers); kept at 0 so the shared flag checks pass"""
-    eval_pass_k: int = 0
-    """unused by the debate (greedy answers)"""
 
     # Filled in at runtime
     total_steps: int = 0
@@ -486,7 +482,7 @@ def load_run_agents(run_dir: str, args: Args, device: str):
     critics = sorted((n for n in names if n.startswith("critic")), key=lambda s: int(s[6:]))
     if not generators or (args.debate_rounds > 1 and not critics):
         fail(f"--eval-debate {run_dir}: adapters/ holds {names or 'nothing'}; need gen* and critic* adapters")
-    model = load_adapters(load_model(args.model_name, args.dtype, device), adir, generators + critics)
+    model = load_adapters(load_model(path_of(args.model_name), args.dtype, device), adir, generators + critics)
     return model, generators, critics
 
 
@@ -508,7 +504,7 @@ def main(args: Args) -> dict:
              f"tokens each (--proposal-tokens {args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}) before "
              "its question, and would lose its first proposals: raise --max-prompt-tokens, lower --proposal-tokens, "
              "or pass --critic-sees answers")
-    check_run_args(dataclasses.replace(args, total_steps=max(args.total_steps, 1)))
+    check_run_args(args)
     run_dir = start_run(args, rank)  # seeds python, numpy and torch; batch sizes; the run folder
     train_problems, eval_problems = load_train_eval(args)
     if len(eval_problems) < world:  # the debate and Stage 2 give every rank a share of at least one problem
@@ -516,6 +512,7 @@ def main(args: Args) -> dict:
     if args.eval_debate:  # deployment only, from a finished run folder
         model, generators, critics = load_run_agents(args.eval_debate.rstrip("/"), args, device)
     else:
+        model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
         generators, critics = agent_names(args.num_generators, args.num_critics)
         splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
         if min(len(s) for s in splits) < max(args.num_prompts, world):
@@ -524,11 +521,11 @@ def main(args: Args) -> dict:
                  + (f" or the {world} ranks" if world > args.num_prompts else ""))
         with torch.random.fork_rng():  # the same initial adapters on every rank
             torch.manual_seed(args.seed)
-            model = make_agents(load_model(args.model_name, args.dtype, device), generators + critics, args)
+            model = make_agents(load_model(model_path, args.dtype, device), generators + critics, args)
             if args.gradient_checkpointing:  # the frozen base's layers recomputed in backward (LoRA gradients only)
                 enable_gradient_checkpointing(model)
     (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
-    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
+    tokenizer = load_tokenizer(path_of(args.model_name), args.system_prompt)
     engine = make_engine(args, model, tokenizer, args.seed + rank)
 
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer

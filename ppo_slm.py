@@ -3,7 +3,7 @@
 Paper: "Towards Robust Reinforcement Learning for Small-Scale Language Model Agents" (arXiv 2607.25091;
 code github.com/rezwanh001/slm-rl-agent, built on TRL 0.9.6). Three stages, the first two skipped when their
 output is given by path (`--sft-adapter`, `--reward-model`); 1 and 2 are the standard SFT and reward model of
-common/preference.py, 3 and the paper's fixes are this file:
+ppo_slm_stages.py, 3 and the paper's fixes are this file:
 
 1. SFT: a LoRA adapter (alpha = 2r) trained on (prompt, chosen) pairs.
 2. Reward model: the SFT backbone (adapter merged) with a scalar head, LoRA + trained head, Bradley-Terry loss
@@ -46,16 +46,16 @@ import numpy as np
 import torch
 import tyro
 
-from common.args import ExperimentArgs
+from common.args import ExperimentArgs, check_sampling_args
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
                          local_part, shard_models)
-from common.logger import RunLogger, check_sampling_args, sample_rows
-from common.models import (add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer,
-                           resolve_model)
-from common.preference import build_pairs, pair_accuracy, supervised_stages
+from common.logger import RunLogger, sample_rows
+from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
 from common.run import rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples
 from common.verifiers import score
+from grounds import path_of
+from ppo_slm_stages import build_pairs, pair_accuracy, supervised_stages
 
 
 @dataclass
@@ -318,7 +318,7 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 (common/preference.py)
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 (ppo_slm_stages.py)
     rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_sampling_args(args)
     if args.num_prompts % args.minibatch_size:
@@ -328,9 +328,9 @@ def main(args: Args) -> dict:
     run_dir = start_run(args, rank)
     from peft import PeftModel
     os.makedirs(run_dir, exist_ok=True)
-    base = resolve_model(args.model_name)
+    base = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
     tokenizer = load_tokenizer(base)
-    train_ex = build_pairs(args, "train", args.num_train_examples, args.seed)  # common/preference.py
+    train_ex = build_pairs(args, "train", args.num_train_examples, args.seed)  # ppo_slm_stages.py
     heldout = build_pairs(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
     t0 = time.time()  # stages 1 and 2; sft_dir holds the SFT adapter merged into the base (reference, policy start)
     sft_adapter, sft_dir, rm_dir = supervised_stages(args, base, tokenizer, train_ex, run_dir, rank, device)

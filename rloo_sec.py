@@ -56,23 +56,29 @@ from typing import Literal
 import torch
 import tyro
 
-from common.args import TrainArgs
+from common.args import TrainArgs, check_run_args
 from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluator
-from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch
 from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts,
                         minibatch_order, resume_state, rollout_perf_metrics, sample_step, start_run, step_bar, timed,
                         update_metrics)
 from common.verifiers import format_reward, score
+from grounds import path_of
 
 
 @dataclass
 class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, sampling, optimiser, data, eval
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (prefix of the run folder)"""
+    eval_samples: int = 4
+    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
+    eval_pass_k: int = 4
+    """k of the logged eval/pass_at_k"""
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
     """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest); with several, SEC has arms"""
 
@@ -287,9 +293,10 @@ def main(args: Args) -> dict:
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)
-    tokenizer = load_tokenizer(args.model_name, args.system_prompt)
+    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
+    tokenizer = load_tokenizer(model_path, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
-    model = load_policy(args.model_name, args, device)  # float32 master weights; --dtype: compute precision
+    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     optimizer, scheduler = make_optimizer(model.parameters(), args)

@@ -1,6 +1,6 @@
 """RLPF: RL from Performance Feedback (Jing et al. 2026, arXiv 2607.27271), GRPO with a staged code-speed reward.
 
-The policy writes a program for a code-optimisation task; the sandbox (common/sandbox.py) runs it
+The policy writes a program for a code-optimisation task; the sandbox (code_env/sandbox.py) runs it
 on hidden tests and times it against the task's slow baseline (T_b) and fast reference (T_r),
 re-timed in the same interleaved rounds. The reward never pays for speed without correctness:
 
@@ -15,7 +15,7 @@ so every correct program (>= 0.15) outranks every failure (<= 0.10). With f_b = 
 withholds credit: the floor shrinks the speed-up, and the expert-match term RBR keeps the paper's 2 % (a floor there
 would pay a program measurably slower than the expert).
 
-Timing (common/code_tasks.py `judge`, common/sandbox.py `measure`), so that the speed terms hold under load and
+Timing (code_env/tasks.py `judge`, code_env/sandbox.py `measure`), so that the speed terms hold under load and
 cannot be gamed: each program of a task, and the two references, run in their own sandbox (one process, one
 thread, a read-only filesystem but for private scratch folders); after the tests and one warm-up call,
 --timing-repeats rounds each call every program once on an input drawn anew for this judging and new to the
@@ -68,17 +68,18 @@ import numpy as np
 import torch
 import tyro
 
-from common import sandbox
-from common.args import RunArgs
-from common.code_tasks import (CODE_MODEL, calibrate, check_timing_inputs, ensure_code_model, extract_program, judge,
-                               render_code_prompt, select_tasks)
+from code_env import sandbox
+from code_env.tasks import calibrate, check_timing_inputs, extract_program, judge, render_code_prompt, select_tasks
+from common.args import RunArgs, check_run_args
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, global_std, init_distributed, shard_models
-from common.logger import RunLogger, check_run_args, open_checkpoint, sample_rows, save_checkpoint
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
 from common.run import (first_evaluation, make_optimizer, minibatch_counts, minibatch_order, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples)
+from grounds import CODE_MODEL, path_of
 
 
 @dataclass
@@ -91,11 +92,11 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
     """'testbed-code' (built locally and cached: warm-started on slow, fast and broken programs), a Hugging Face id,
     or a local folder"""
     dataset: str = "embedded"
-    """'embedded' (the tasks of common/code_tasks.py) or a local .jsonl of code tasks (format in that file)"""
+    """'embedded' (the tasks of code_env/tasks.py) or a local .jsonl of code tasks (format in that file)"""
     tasks: tuple[str, ...] = ()
     """train and evaluate on these task names only (default: all)"""
 
-    # Judging (common/sandbox.py)
+    # Judging (code_env/sandbox.py)
     score_file: str = ""
     """judge this program file on --task and print one JSON line (status, runtime, speed-up); no training"""
     task: str = "sum_range"
@@ -181,8 +182,6 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
     """evaluate every N steps (0: only before and after training)"""
     eval_samples: int = 8
     """programs sampled per task for the evaluation (plus one greedy)"""
-    eval_pass_k: int = 1
-    """unused by the code metrics (kept for the shared flag checks)"""
 
 
 # ALGO LOGIC: rewards (ALGORITHMS.md section 7.2 for RLPF, 7.3 for DMC)
@@ -396,7 +395,7 @@ def check_timing_args(args: Args) -> None:
 
 
 def calibration_of(task, args: Args) -> dict:
-    """The task's timing calibration (common/code_tasks.py `calibrate`; measured once per run, then cached)."""
+    """The task's timing calibration (code_env/tasks.py `calibrate`; measured once per run, then cached)."""
     return calibrate(task, limits_of(args), args.timing_repeats, args.calibration_scorings, args.noise_floor_margin,
                      least=args.min_noise_floor)
 
@@ -511,7 +510,7 @@ def main(args: Args) -> dict:
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)
-    model_path = ensure_code_model() if args.model_name == CODE_MODEL else args.model_name
+    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
     tokenizer = load_tokenizer(model_path)
     train_tasks = select_tasks(args.dataset, args.tasks)
     check_timing_inputs(train_tasks, args.timing_repeats)

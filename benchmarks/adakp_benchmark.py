@@ -32,6 +32,7 @@ from common.logger import read_metrics  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.rollout import HFEngine, attach, completion_logprobs  # noqa: E402
 from common.verifiers import score  # noqa: E402
+from grounds import path_of  # noqa: E402
 
 ARMS = ["adakp", "static", "random", "all", "none"]
 
@@ -85,8 +86,8 @@ def spearman(x, y) -> float:
 
 
 def proxy_check(bench: Bench) -> dict:
-    tok = load_tokenizer(bench.model_name)
-    model = load_model(bench.model_name, "float32", "cpu")
+    tok = load_tokenizer(path_of(bench.model_name))
+    model = load_model(path_of(bench.model_name), "float32", "cpu")
     engine = HFEngine(model, tok)
     torch.manual_seed(0)
     problems = load_problems("testbed", "train", (bench.level,), bench.proxy_problems, 0)

@@ -9,7 +9,8 @@ max_new_tokens in every framework, without touching any framework's sampling set
 import os
 import shutil
 
-from common.testbed import build_tokenizer, cache_root, ensure_testbed_model
+from grounds.cache import cache_root
+from grounds.testbed_models import build_tokenizer, ensure_testbed_model
 
 
 def random_model(hidden: int, layers: int, heads: int, seed: int = 0) -> str:

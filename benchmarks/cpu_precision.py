@@ -37,7 +37,7 @@ def main():
 
     import grpo
     from common.models import load_policy
-    from common.pretrained import ensure_pretrained_model
+    from grounds.pretrained import ensure_pretrained_model
 
     torch.set_num_threads(2)
     path = ensure_pretrained_model("smollm2-135m-instruct")

@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 import direct_opd  # noqa: E402
 from common.logger import read_metrics  # noqa: E402
-from common.testbed import ensure_testbed_teacher_pair  # noqa: E402
+from grounds.testbed_models import ensure_testbed_teacher_pair  # noqa: E402
 
 METHODS = {  # name -> (label, direct_opd.py flags); "swapped" gets the built post-RL teacher's folder at run time
     "direct": ("direct", ["--reward", "direct"]),

@@ -28,6 +28,7 @@ from common.data import load_problems  # noqa: E402
 from common.logger import RunLogger  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.rollout import make_engine  # noqa: E402
+from grounds import path_of  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,13 +37,13 @@ def run_seed(args: mada_rl.Args, out_dir: str) -> dict:
     torch.manual_seed(args.seed)
     args.batch_size = args.num_prompts * args.group_size
     args.minibatch_size = args.batch_size // args.num_minibatches
-    tokenizer = load_tokenizer(args.model_name)
+    tokenizer = load_tokenizer(path_of(args.model_name))
     train = load_problems(args.dataset, "train", args.levels, args.num_train_problems, args.seed)
     heldout = load_problems(args.dataset, "test", args.levels, args.num_eval_problems, args.seed)
     gens, critics = mada_rl.agent_names(args.num_generators, args.num_critics)
     ablated = [f"nocf_{c}" for c in critics]
     splits = mada_rl.split_problems(train, args.num_generators + args.num_critics, args.seed)
-    base = load_model(args.model_name, args.dtype, args.device)
+    base = load_model(path_of(args.model_name), args.dtype, args.device)
     base_params = sum(p.numel() for p in base.parameters())
     model = mada_rl.make_agents(base, gens + critics + ablated, args)
     per_agent = sum(p.numel() for p in mada_rl.adapter_params(model, gens[0]).values())

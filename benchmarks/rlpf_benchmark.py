@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tyro  # noqa: E402
 
 import rlpf  # noqa: E402
-from common import sandbox  # noqa: E402
-from common.code_tasks import TASKS, CodeTask, expected_outputs  # noqa: E402
+from code_env import sandbox  # noqa: E402
+from code_env.tasks import TASKS, CodeTask, expected_outputs  # noqa: E402
 
 REWARDS = ("correctness", "staged", "speed_ungated")
 MIDDLE = {  # correct programs between the two references, so that the pool is not just two clusters

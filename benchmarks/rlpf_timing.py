@@ -8,7 +8,7 @@ program against the slow baseline (an equal-speed program: its credited speed-up
 speed reward) and (b) the fast reference's program against the slow baseline (its speed-up should stay large), by
 two methods side by side, one scoring of each in turn:
 
-- before: the judge as it was (common/code_tasks.py `judge(method="legacy")`: wall-clock round trips, each
+- before: the judge as it was (code_env/tasks.py `judge(method="legacy")`: wall-clock round trips, each
   program's median of 3 rounds, the old timing inputs below, no noise floor: the credited speed-up is the raw one);
 - after: the current judge (`method="paired"`: CPU time of the program's own process, the programs of a round on
   one CPU, median of the per-round ratios over --repeats rounds, the current timing inputs) with the task's noise
@@ -36,7 +36,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rlpf  # noqa: E402
-from common import code_tasks, sandbox  # noqa: E402
+from code_env import sandbox
+from code_env import tasks as code_tasks  # noqa: E402
 
 def old_lists(rng: random.Random) -> tuple:
     """Two lists of 2000 values below 8000 (count_common's inputs before issue 32)."""

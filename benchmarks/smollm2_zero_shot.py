@@ -79,8 +79,9 @@ def main(bench: Bench) -> None:
     from common.data import load_problems
     from common.models import load_model, load_tokenizer
     from common.testbed_nl import NL_INSTRUCTION
+    from grounds import path_of
 
-    model = load_model("smollm2-135m-instruct")
+    model = load_model(path_of("smollm2-135m-instruct"))
     problems = load_problems("testbed-nl", "test", bench.levels, bench.num_problems, bench.seed)
     first = lambda k: [p for lv in bench.levels for p in [q for q in problems if q.level == lv][:k]]  # noqa: E731
     results, examples = [], {}
@@ -91,7 +92,7 @@ def main(bench: Bench) -> None:
              if bench.alt_problems]
     for name, template, fmt_task, system, greedy, probs in runs:
         t0 = time.time()
-        rows, prompt_tokens, texts = run(model, load_tokenizer("smollm2-135m-instruct", system), probs, template,
+        rows, prompt_tokens, texts = run(model, load_tokenizer(path_of("smollm2-135m-instruct"), system), probs, template,
                                          fmt_task, greedy, bench, bench.seed)
         results.append((name, system, greedy, len(probs) // len(bench.levels), prompt_tokens, rows, time.time() - t0))
         if greedy:

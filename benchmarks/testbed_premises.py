@@ -4,7 +4,7 @@ greedy decoding on held-out problems (200 per cell), through the prompts the tra
   1. calibration    testbed-weak: level 3 in [0.40, 0.60], level 1 >= 0.85, level 5 <= 0.10
   2. guidance       (OC-GRPO, oc_grpo.solution_prefix and render_guided_prompt) level 5: a 50% solution prefix >= 0.30, the full solution >= 0.70
   3. strong student (Direct-OPD) testbed-strong level 3 >= 0.75 and >= 0.10 above the default teacher pair's post
-                    model (testbed-weak improved on level 3; common.testbed.ensure_testbed_teacher_pair)
+                    model (testbed-weak improved on level 3; grounds.testbed_models.ensure_testbed_teacher_pair)
   4. knowledge      (AdaKP, Problem.hints) level 4: the helpful hints raise accuracy >= 0.15 over no hint;
                     the distractors alone move it by < 0.05
   5. critic format  (MADA-RL, mada_rl.render_critic_prompt) level 3, three proposals: one right raises accuracy
@@ -45,7 +45,8 @@ import torch  # noqa: E402
 
 from common.data import render_prompt  # noqa: E402
 from common.rollout import HFEngine  # noqa: E402
-from common.testbed import ensure_testbed_model, make_suite  # noqa: E402
+from common.testbed import make_suite
+from grounds.testbed_models import ensure_testbed_model  # noqa: E402
 from mada_rl import render_critic_prompt  # noqa: E402
 from oc_grpo import render_guided_prompt, solution_prefix  # noqa: E402
 
@@ -124,7 +125,7 @@ def measure(seed: int) -> dict:
     m["build s: strong"] = round(time.time() - t0)
     m["strong L3"] = acc(strong, 3, plain)
     if seed == 0:
-        from common.testbed import ensure_testbed_teacher_pair
+        from grounds.testbed_models import ensure_testbed_teacher_pair
 
         t0 = time.time()
         teacher, _ = load(ensure_testbed_teacher_pair(progress=False)[1])
@@ -222,7 +223,7 @@ def premises_pretrained(m: dict) -> list[tuple[str, str, bool]]:
 
 
 def main_pretrained(a) -> None:
-    from common.pretrained import ensure_pretrained_model
+    from grounds.pretrained import ensure_pretrained_model
 
     models = {"SmolLM2-135M-Instruct": ensure_pretrained_model("smollm2-135m-instruct")}
     if a.after:

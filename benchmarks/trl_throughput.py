@@ -242,7 +242,7 @@ def main():
 
 def main_smollm2(cli) -> None:
     """The real-model setting: each worker its own subprocess, alternating within each repeat."""
-    from common.pretrained import ensure_pretrained_model
+    from grounds.pretrained import ensure_pretrained_model
 
     model_dir, (label, _, max_new) = ensure_pretrained_model("smollm2-135m-instruct"), SMOLLM2[0]
     t_start, results = time.time(), {w: [] for w in SMOLLM2_WORKERS}

@@ -150,10 +150,6 @@ class TrainArgs(RunArgs):
     """evaluate every N steps (0: only before and after training)"""
     num_eval_problems: int = 200
     """held-out problems per evaluation"""
-    eval_samples: int = 4
-    """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
-    eval_pass_k: int = 4
-    """k of the logged eval/pass_at_k"""
 
 
 
@@ -162,3 +158,46 @@ def check_at_least(args, lo: int, *names: str) -> None:
     for name in names:
         if getattr(args, name) < lo:
             raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least {lo}")
+
+
+def fail(message: str):
+    """Stop with a message in the user's terms (exit status 1, no traceback)."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_sampling_args(args) -> None:
+    """Sampling flags that would fail deep inside torch: a one-line error instead. Greedy decoding is what the
+    evaluation does; a training sampler needs a temperature above 0 (its log-probs are divided by it)."""
+    if not args.temperature > 0:
+        fail(f"--temperature {args.temperature} must be above 0 (log-probs are computed at the sampling temperature; "
+             "greedy answers are what the evaluation reports)")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top-p {args.top_p} must be in (0, 1] (1 keeps the sampler exactly on-policy)")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+
+
+def check_run_args(args, min_group_size: int = 2) -> None:
+    """Flags that contradict each other, shared by the group-sampling trainers: a one-line error before any work."""
+    check_sampling_args(args)
+    batch = args.num_prompts * args.group_size
+    for name in ("num_prompts", "group_size", "num_iterations", "num_minibatches", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.total_steps < 0:
+        fail(f"--total-steps {args.total_steps} must be at least 0")
+    if args.group_size < min_group_size:
+        fail(f"--group-size {args.group_size} must be at least {min_group_size} (a group baseline needs two samples)")
+    if batch % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch} rollouts "
+             "(--num-prompts x --group-size)")
+    samples = getattr(args, "eval_samples", 0)  # sampled evaluation: not every trainer has it (mada_rl, rlpf)
+    if samples > 0 and getattr(args, "eval_pass_k", 0) > samples:
+        fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
+             "(pass@k is estimated from that many samples per problem)")
+    if args.share_prompt and args.gradient_checkpointing:
+        fail("--share-prompt cannot share under --gradient-checkpointing: checkpointed layers keep no KV cache, so the "
+             "policy's passes would take the plain forward and only the reference's would share; drop one of the two")
+    if getattr(args, "tis", "none") != "none" and args.rollout_backend != "vllm":
+        fail(f"--tis {args.tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
+             "samples from the trainer itself (use --rollout-backend vllm)")

@@ -19,6 +19,7 @@ import os
 import random
 import re
 
+from common.args import fail
 from common.testbed import Problem, make_suite, render_testbed_prompt
 from common.testbed_nl import NL_INSTRUCTION, make_nl_suite
 from common.verifiers import strip_thousands
@@ -28,11 +29,6 @@ ANSWER_FIELDS = ("answer", "ground_truth", "final_answer", "target", "output")
 SOLUTION_FIELDS = ("solution", "reasoning", "rationale")
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{{}}."
 MATH_TEMPLATE = "{question}\n" + MATH_INSTRUCTION
-
-
-def fail(message: str) -> None:
-    """Stop with a message in the user's terms (exit status 1, no traceback)."""
-    raise SystemExit(f"error: {message}")
 
 
 def _kind(value) -> str:

@@ -1,5 +1,5 @@
-"""Loading a policy and its tokenizer: a testbed name, an embedded pretrained name (common/pretrained.py), a Hugging
-Face id, or a local folder."""
+"""Loading a policy and its tokenizer from a local folder or a Hugging Face id (the embedded names are turned into
+folders by grounds.model_path before they reach here)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,13 @@ import os
 
 import torch
 
-from common.pretrained import PRETRAINED_MODELS, ensure_pretrained_model
-from common.testbed import TESTBED_MODELS, ensure_testbed_model
-
 
 def resolve_model(name: str) -> str:
-    """The folder or hub id to load; builds a testbed model, or converts an embedded pretrained one, on first use."""
-    if name in TESTBED_MODELS:
-        return ensure_testbed_model(name)
-    if name in PRETRAINED_MODELS:
-        return ensure_pretrained_model(name)
+    """The folder or hub id to load: a name that looks like a local path must exist (one line, not a hub error)."""
     looks_local = name.startswith((".", "/", "~")) or os.path.sep in name and os.path.exists(name.split(os.path.sep)[0])
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         raise SystemExit(f"error: model path {name!r} does not exist (give a local folder, a hub id, "
-                         f"or one of {list(TESTBED_MODELS) + list(PRETRAINED_MODELS)})")
+                         "or an embedded name: testbed-weak, testbed-strong, smollm2-135m-instruct)")
     return os.path.expanduser(name) if looks_local else name
 
 

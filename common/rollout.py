@@ -718,7 +718,7 @@ def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int 
 def encode_pairs(tokenizer, prompts: list[str], completions: list[str]):
     """Left-padded rows [prompt | completion eos] of texts: ids, attention mask and completion mask (eos included).
 
-    >>> from common.testbed import build_tokenizer
+    >>> from grounds.testbed_models import build_tokenizer
     >>> ids_BT, attn_BT, comp_BT = encode_pairs(build_tokenizer(), ["ab", "a"], ["c", "cd"])
     >>> attn_BT.tolist(), comp_BT.tolist()
     ([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 1, 1], [0, 1, 1, 1]])

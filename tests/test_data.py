@@ -137,10 +137,11 @@ def test_testbed_nl_solutions_compute_the_answer_and_hints_are_flagged_by_use():
 def test_testbed_nl_prompts_ask_for_the_answer_line_in_every_trainer_renderer(smollm2_dir):
     from common.models import load_tokenizer
     from common.testbed_nl import NL_INSTRUCTION
+    from grounds import path_of
     from mada_rl import render_critic_prompt
     from oc_grpo import render_guided_prompt, solution_prefix
 
-    tok = load_tokenizer("smollm2-135m-instruct", "")
+    tok = load_tokenizer(path_of("smollm2-135m-instruct"), "")
     p = load_problems("testbed-nl", "test", (4,), 1)[0]
     plain = render_prompt(p, tok)
     assert plain == (f"<|im_start|>system\n<|im_end|>\n<|im_start|>user\n{p.question}\n{NL_INSTRUCTION}<|im_end|>\n"

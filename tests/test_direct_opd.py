@@ -189,7 +189,7 @@ def test_mismatched_tokenizers_fail_fast_naming_the_culprit(tmp_path, tiny_model
 def test_default_teacher_pair_is_built_without_grpo_once_then_cached(tmp_path, weak_model_dir, monkeypatch):
     """The demo pair comes from common.testbed (a short rejection-sampling fine-tuning of testbed-weak), not grpo.py."""
     from common.models import load_model
-    from common.testbed import TEACHER_RFT, ensure_testbed_teacher_pair
+    from grounds.testbed_models import TEACHER_RFT, ensure_testbed_teacher_pair
 
     cache = tmp_path / "cache"
     cache.mkdir()

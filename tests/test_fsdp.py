@@ -113,7 +113,7 @@ def test_fsdp_sharded_checkpoint_resumes_to_the_same_metrics_and_exports(tmp_pat
     log what an uninterrupted run logs, and the consolidated export (from_pretrained) has the same final weights.
     Each rank wrote its own shard files; the export's config names the plain model class. The same checkpoint also
     loads on 1 rank (DCP reshards): with no step left to train, the weights it ends with are the step-2 export."""
-    from common.logger import KILL_AFTER_SAVE
+    from common.checkpoint import KILL_AFTER_SAVE
 
     straight = _run("grpo.py", tmp_path, "--run-name", "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -166,7 +166,7 @@ import json, sys, types
 import torch
 from transformers import AutoModelForCausalLM
 from common.dist import full_weights, shard_models
-from common.logger import load_sharded
+from common.checkpoint import load_sharded
 from common.models import load_model
 ckpt, base = sys.argv[1:3]
 model = load_model(base, "float32", "cpu")  # the untrained weights, sharded over a group of one

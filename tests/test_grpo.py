@@ -11,7 +11,8 @@ import torch
 import tyro
 
 import grpo
-from common.logger import KILL_AFTER_SAVE, read_metrics
+from common.checkpoint import KILL_AFTER_SAVE
+from common.logger import read_metrics
 from conftest import alone_env, assert_flags_documented, assert_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

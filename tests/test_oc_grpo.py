@@ -14,7 +14,8 @@ import tyro
 import oc_grpo
 from common.logger import read_metrics
 from common.rollout import completion_logprobs, finish_rollouts, left_pad
-from common.testbed import build_tokenizer, make_problem
+from common.testbed import make_problem
+from grounds.testbed_models import build_tokenizer
 from conftest import assert_samples
 
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "8", "--num-eval-problems", "8",

@@ -18,7 +18,8 @@ import grpo
 import oc_grpo
 import rloo_sec
 from common.data import PromptSampler, load_problems
-from common.logger import KILL_AFTER_SAVE, read_metrics
+from common.checkpoint import KILL_AFTER_SAVE
+from common.logger import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-eval-problems", "4",
@@ -159,7 +160,7 @@ def wider_model_dir(tmp_path_factory):
     """A model with the same tokenizer and other shapes than tiny_model_dir's: its weights do not fit."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from common.testbed import build_tokenizer
+    from grounds.testbed_models import build_tokenizer
 
     path, tok = str(tmp_path_factory.mktemp("wider")), build_tokenizer()
     Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -65,7 +65,7 @@ def test_dmc_collapsed_reward_and_the_ungated_ablation():
 
 
 def test_credited_speedup_and_noise_floors_with_hand_values():
-    from common.code_tasks import noise_floor, paired_speedup
+    from code_env.tasks import noise_floor, paired_speedup
 
     # paired: the median over rounds of the per-round ratio (a round disturbed for one program does not count)
     assert paired_speedup([50, 52, 90, 51, 50], [25, 26, 20, 25.5, 26]) == pytest.approx(2.0)
@@ -115,7 +115,7 @@ def test_a_speed_up_near_the_floor_is_judged_again_and_the_one_closer_to_1_kept(
     sandboxes (second_speedup) and keeps the smaller of the two speed-ups (both above 1: the one closer to 1); far
     from the band, or without a floor, there is no second judging. The fast reference (hundreds of times faster)
     is put in the band by its floor."""
-    from common.code_tasks import TASKS, in_confirm_band, judge
+    from code_env.tasks import TASKS, in_confirm_band, judge
 
     task = TASKS["sum_range"]
     plain = judge(task, [task.fast], repeats=3)
@@ -152,7 +152,7 @@ def score(tmp_path, source: str, task: str = "sum_range") -> dict:
 
 
 def test_score_file_judges_slow_fast_and_broken_programs(tmp_path):
-    from common.code_tasks import TASKS
+    from code_env.tasks import TASKS
 
     fast = score(tmp_path, TASKS["sum_range"].fast)
     slow = score(tmp_path, TASKS["sum_range"].slow)
@@ -169,7 +169,7 @@ def test_an_equal_speed_candidate_earns_no_speed_credit(tmp_path):
     noise floor calibrated in this process, never below --min-noise-floor 1.2): no FBR, no CGRE in any of 5
     scorings, whatever this machine's speed. Old timing gave about half of such scorings FBR (the 0.16 step); the
     calibration alone let 1 to 3 in 100 through (benchmarks/rlpf_timing.md)."""
-    from common.code_tasks import TASKS
+    from code_env.tasks import TASKS
 
     slow = TASKS["sum_range"].slow
     scored = [score(tmp_path, slow) for _ in range(5)]
@@ -215,7 +215,7 @@ def test_slow_programs_that_game_the_timing_are_never_paid_for_speed(tmp_path):
     at most the correct floor 0.15), nothing left behind on the host; the honest slow and fast programs keep their
     status and credit. Before issue 36's fixes the helper process got 48.7x (reward 1.138), a /run/lock cache 180x
     on its second judging (1.155), the memo 1.25x (0.196)."""
-    from common.code_tasks import TASKS
+    from code_env.tasks import TASKS
 
     task = TASKS["sum_range"]
     known = {a[0]: sum(range(a[0])) for a in task.timing}  # a judging's inputs: every judging draws new ones
@@ -257,7 +257,7 @@ def test_short_run_trains_and_logs_code_metrics(tmp_path):
                                      "--eval-samples", "2", "--max-new-tokens", "64", "--output-dir", str(tmp_path),
                                      "--run-name", "smoke", "--timing-repeats", "1"])
     from common.models import load_model
-    from common.code_tasks import ensure_code_model
+    from grounds.code_model import ensure_code_model
 
     before = {k: v.clone() for k, v in load_model(ensure_code_model(progress=False)).state_dict().items()}
     out = rlpf.main(args)

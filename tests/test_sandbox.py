@@ -1,4 +1,4 @@
-"""Adversarial tests of common/sandbox.py: every case is a program written to break out or cheat.
+"""Adversarial tests of code_env/sandbox.py: every case is a program written to break out or cheat.
 
 Each test checks the verdict, that it came within the limit, and (autouse fixture) that nothing is
 left behind: no sandbox process and no file the candidate tried to create outside its scratch dir.
@@ -16,7 +16,8 @@ import uuid
 
 import pytest
 
-from common import code_tasks, sandbox
+from code_env import sandbox
+from code_env import tasks as code_tasks
 
 MODE = os.environ.get("TINYPOST_SANDBOX_MODE", "auto")  # force 'userns' or 'process' to test a fallback
 TOKEN = uuid.uuid4().hex[:12]

