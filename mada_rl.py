@@ -314,8 +314,9 @@ def debate_samples(answers: list[list[list[str]]], cut: list[list[list[bool]]], 
     first generator's)."""
     final, final_cut = answers[-1][0][:k], cut[-1][0][:k]
     correct = score(final, problems[:k], final_cut)
-    return [{"prompt_tail": p.question[-200:], "completion": final[i], "truncated": final_cut[i], "gold": p.answer,
-             "level": p.level, "correct": correct[i], "generator_answers": [final_answer(a[i], p) for a in answers[0]],
+    return [{"question": p.question, "prompt_tail": p.question[-200:], "completion": final[i],
+             "truncated": final_cut[i], "gold": p.answer, "level": p.level, "correct": correct[i],
+             "generator_answers": [final_answer(a[i], p) for a in answers[0]],
              "proposals": [final_answer(a[i], p) for a in answers[-2]] if len(answers) > 1 else None}
             for i, p in enumerate(problems[:k])]
 

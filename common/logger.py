@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 
@@ -108,17 +109,22 @@ class RunLogger:
 
 
 def _plain(v):
+    """A JSON value: tensors and numpy scalars as Python numbers or lists; NaN and +-inf as null (JSON has none)."""
     if isinstance(v, torch.Tensor):
         v = v.item() if v.numel() == 1 else v.tolist()
     if isinstance(v, (np.floating, np.integer, np.bool_)):
         v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
     return v
 
 
 def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1, **fields) -> list[dict]:
     """Up to `k` rows of `rollouts` as text for samples.jsonl, the first row of each of the first k groups of
-    `group_size` rows: the end of its prompt and its completion as decoded with the special tokens shown (so a missing
-    or doubled eos is visible), `truncated` (no stop token within --max-new-tokens: the text is cut), the gold answer
+    `group_size` rows: its problem's question (whole), the end of its prompt and its completion as decoded with the
+    special tokens shown (so a missing or doubled eos is visible), `truncated` (no stop token within --max-new-tokens: the text is cut), the gold answer
     and level of its problem (`problems` per row), and for each keyword its value at that row (a per-row tensor or
     list: the reward and its parts, the advantage, a trainer's own fields). Costs no generation: the rows are the
     step's (or the evaluation's) own.
@@ -139,7 +145,8 @@ def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1
         prompt_L = rollouts.input_ids_BT[b, :L][rollouts.attention_mask_BT[b, :L] > 0]
         completion = rollouts.completion_ids_BC[b, : int(rollouts.lengths_B[b])]
         problem = problems[b]
-        out.append({"prompt_tail": tokenizer.decode(prompt_L, skip_special_tokens=False)[-PROMPT_TAIL_CHARS:],
+        out.append({"question": getattr(problem, "question", None),
+                    "prompt_tail": tokenizer.decode(prompt_L, skip_special_tokens=False)[-PROMPT_TAIL_CHARS:],
                     "completion": tokenizer.decode(completion, skip_special_tokens=False),
                     "truncated": bool(rollouts.truncated_B[b]), "gold": getattr(problem, "answer", None),
                     "level": getattr(problem, "level", None),
@@ -148,23 +155,25 @@ def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1
 
 
 def console_sample(step: int, kind: str, index: int, row: dict, width: int = 100) -> str:
-    """One compact console line of a sample: its scalar fields, the end of the prompt and the completion, newlines
-    shown as '\\n', cut to `width` characters each ('[cut]' marks a completion cut at --max-new-tokens).
+    """One compact console line of a sample: its scalar fields, the question (or, where a sample has none, the end of
+    the prompt) and the completion, newlines shown as '\\n', cut to `width` characters each ('[cut]' marks a
+    completion cut at --max-new-tokens). The question, not the prompt's end: with a chat template the end of every
+    prompt is the same instruction and assistant header.
 
-    >>> console_sample(3, "train", 0, {"prompt_tail": "Q:1+2\\nA:", "completion": "3", "truncated": False,
-    ...                                "gold": "3", "reward": 1.0, "level": 1})
-    "  sample step 3 train #0: gold=3 reward=1 | 'Q:1+2\\\\nA:' -> '3'"
+    >>> console_sample(3, "train", 0, {"question": "1+2", "prompt_tail": "Q:1+2\\nA:", "completion": "3",
+    ...                                "truncated": False, "gold": "3", "reward": 1.0, "level": 1})
+    "  sample step 3 train #0: gold=3 reward=1 | '1+2' -> '3'"
     """
     def short(text: str, keep_end: bool = False) -> str:
         text = repr(text)[1:-1]
         return ("..." + text[-width:] if keep_end else text[:width] + "...") if len(text) > width else text
 
     fields = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                      if k not in ("prompt_tail", "completion", "truncated", "level") and v is not None
+                      if k not in ("question", "prompt_tail", "completion", "truncated", "level") and v is not None
                       and not isinstance(v, (list, dict)))
     cut = " [cut]" if row.get("truncated") else ""
-    return (f"  sample step {step} {kind} #{index}: {fields} | '{short(row.get('prompt_tail', ''), True)}' -> "
-            f"'{short(row.get('completion', ''))}'{cut}")
+    shown = short(row["question"]) if row.get("question") else short(row.get("prompt_tail", ""), keep_end=True)
+    return f"  sample step {step} {kind} #{index}: {fields} | '{shown}' -> '{short(row.get('completion', ''))}'{cut}"
 
 
 def read_metrics(path: str, where: str = "") -> list[dict]:

@@ -177,7 +177,7 @@ def assert_flags_documented(Args) -> None:
         assert src[line + 1].strip().startswith('"""'), f"{f.name} has no docstring"
 
 
-SAMPLE_FIELDS = ("step", "kind", "index", "prompt_tail", "completion", "truncated", "gold", "level")
+SAMPLE_FIELDS = ("step", "kind", "index", "question", "prompt_tail", "completion", "truncated", "gold", "level")
 
 
 def assert_samples(run_dir, train_fields=(), eval_fields=("correct",), steps=None) -> list[dict]:
