@@ -6,6 +6,7 @@ to change its default or its help (the field keeps its place in --help)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -166,8 +167,8 @@ def fail(message: str):
 
 
 def check_sampling_args(args) -> None:
-    """Sampling flags that would fail deep inside torch: a one-line error instead. Greedy decoding is what the
-    evaluation does; a training sampler needs a temperature above 0 (its log-probs are divided by it)."""
+    """Flags that would fail deep inside torch or after the model loads: a one-line error first. Greedy decoding is
+    what the evaluation does; a training sampler needs a temperature above 0 (its log-probs are divided by it)."""
     if not args.temperature > 0:
         fail(f"--temperature {args.temperature} must be above 0 (log-probs are computed at the sampling temperature; "
              "greedy answers are what the evaluation reports)")
@@ -175,6 +176,11 @@ def check_sampling_args(args) -> None:
         fail(f"--top-p {args.top_p} must be in (0, 1] (1 keeps the sampler exactly on-policy)")
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    for name in ("learning_rate", "sft_lr", "rm_lr"):  # checked here, before a model loads, not by AdamW after it
+        if getattr(args, name, 1.0) <= 0:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be above 0")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        fail(f"--output-dir {args.output_dir} is a file; run folders are created inside a folder")
 
 
 def check_run_args(args, min_group_size: int = 2) -> None:

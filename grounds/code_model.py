@@ -13,7 +13,6 @@ import time
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from code_env.tasks import TASKS, CodeTask, render_code_prompt
 from grounds import CODE_MODEL
@@ -55,6 +54,8 @@ def ensure_code_model(progress: bool = True) -> str:
 
 
 def _build_code_model(tmp: str, progress: bool) -> None:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # slow to import: only when building
+
     print(f"[testbed] building {CODE_MODEL} into {code_model_dir()} (once; cached afterwards)")
     r = CODE_RECIPE
     tok = build_tokenizer()

@@ -15,10 +15,7 @@ import os
 import random
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
 
 from common.rollout import HFEngine, completion_logprobs
 from common.testbed import BOS_CHAT, EOS, PAD, Problem, is_calibration, make_suite, render_testbed_prompt
@@ -65,6 +62,9 @@ def build_tokenizer():
     The pipeline is exactly the one transformers 5 rebuilds for a `qwen2` folder, so
     ids are identical after `AutoTokenizer.from_pretrained`.
     """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # transformers' model classes load slowly:
+    from transformers import PreTrainedTokenizerFast  # imported where a build needs them, not with every trainer
+
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -74,6 +74,8 @@ def build_tokenizer():
 
 
 def build_model(name: str, tokenizer, seed: int = 0):
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
     r = RECIPES[name]
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -281,6 +283,8 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
         return pre, path
     if not build:
         return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     def build(tmp):
         print(f"[testbed] building the teacher pair's post model into {path} (once; cached afterwards)")
         tokenizer = AutoTokenizer.from_pretrained(pre)

@@ -161,3 +161,27 @@ def test_lora_targets_the_model_lacks_are_a_one_line_error(trainer, tmp_path, ti
     with pytest.raises(SystemExit) as info:
         module.main(tyro.cli(module.Args, args=flags))
     _assert_one_line_error(str(info.value), r"--lora-target-modules query_key_value dense: .*not found in the base model")
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "direct_opd", "ppo_slm", "mada_rl", "rlpf", "adakp"])
+@pytest.mark.parametrize("case", ["learning_rate", "output_dir_is_a_file"])
+def test_flag_errors_come_before_any_model_loads(trainer, case, tmp_path):
+    """A flag that is wrong on its face stops the run in one line before anything loads: the model named here does
+    not exist, so a check made after loading would report the missing model instead (or a traceback from AdamW)."""
+    import adakp
+    import rlpf
+
+    module = {**TRAINERS, "mada_rl": mada_rl, "rlpf": rlpf, "adakp": adakp}[trainer]
+    flags = ["--model-name", str(tmp_path / "no_such_model")]
+    if case == "learning_rate":
+        flags += ["--output-dir", str(tmp_path / "runs"), "--learning-rate", "-1e-5"]
+        pattern = r"--learning-rate -1e-05 must be above 0"
+    else:
+        (tmp_path / "a_file").write_text("")
+        flags += ["--output-dir", str(tmp_path / "a_file")]
+        pattern = r"--output-dir .*a_file is a file"
+    if trainer == "direct_opd":
+        flags += ["--teacher-pre", str(tmp_path / "no_such_model"), "--teacher-post", str(tmp_path / "no_such_model")]
+    with pytest.raises(SystemExit) as info:
+        module.main(tyro.cli(module.Args, args=flags))
+    _assert_one_line_error(str(info.value), pattern)
