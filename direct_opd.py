@@ -82,8 +82,8 @@ from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
-from common.run import (finish_run, load_train_eval, make_optimizer, minibatch_counts, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
+from common.run import (finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics, sample_step,
+                        start_run, step_bar, timed, update_metrics)
 from common.verifiers import score
 from grounds import path_of
 from grounds.testbed_models import ensure_testbed_teacher_pair
@@ -161,11 +161,13 @@ def default_teacher_post(teacher_pre: str) -> str:
     return ensure_testbed_teacher_pair()[1]
 
 
-# ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient
+# ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient, the
+# loss normalisers
 def completion_logp_BCV(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float, vocab: int):
     """Log-softmax over the shared vocabulary at every completion position: row t predicts completion token t.
     Only the last C+1 hidden states go through the LM head; padded LM-head rows beyond `vocab` are dropped
-    before normalisation, as the sampler masks them (common.rollout.mask_padded_vocab), and the teachers may lack them."""
+    before normalisation, as the sampler masks them (common.rollout.mask_padded_vocab), and the teachers may lack
+    them."""
     # Deliberately the plain full forward, not common.rollout.completion_logits (which shares the prompt across a
     # group): that path rounds differently with and without grad (~1e-7), and the identical-teacher control needs
     # the no-grad reference and the trained student to agree bit for bit, or Adam blows the noise up into steps.
@@ -269,6 +271,15 @@ def aggregate(token_loss_BC, mask_BC, num_tokens: float):
     return (token_loss_BC * mask_BC).sum() / max(num_tokens, 1.0)
 
 
+def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
+    """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
+    least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
+    mini-batch gradient whatever the split."""
+    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                          float(len(mask_BC))]))
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tokens: float, kl_coef: float):
     """Direct-OPD loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
@@ -299,7 +310,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tok
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, resume)
     rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
@@ -321,7 +332,12 @@ def main(args: Args) -> dict:
     post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
     pre_model = load_model(teacher_pre_path, args.dtype, device).eval().requires_grad_(False)
     model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
-    optimizer, scheduler = make_optimizer(model.parameters(), args)
+    # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
+    args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
+    args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
     sampler = PromptSampler(train_problems, args.seed + rank)
     engine = make_engine(args, model, tokenizer, args.seed + rank)
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
@@ -441,9 +457,11 @@ def main(args: Args) -> dict:
 
     if rank == 0:
         print(f"teacher pair held-out greedy accuracy: pre {first_eval['eval/teacher_pre_greedy_accuracy']:.3f}, "
-              f"post {first_eval['eval/teacher_post_greedy_accuracy']:.3f} ({args.reward} reward, no verifier in the loss)")
+              f"post {first_eval['eval/teacher_post_greedy_accuracy']:.3f} ({args.reward} reward, no verifier in the "
+              "loss)")
     final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
-    return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir, "teacher_post": teacher_post}
+    return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir,
+            "teacher_post": teacher_post}
 
 
 if __name__ == "__main__":

@@ -48,14 +48,14 @@ from tqdm import tqdm
 
 from common.args import TrainArgs, check_at_least, check_run_args, fail
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
-from common.dist import (all_reduce_grads, all_reduce_mean, gather_shares, init_distributed, is_sharded, rank_world,
-                         shard_models)
+from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, gather_shares, init_distributed,
+                         is_sharded, rank_world, shard_models)
 from common.logger import RunLogger, sample_rows
 from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
                            load_tokenizer, use_adapter)
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (load_train_eval, make_optimizer, minibatch_counts, minibatch_order, rollout_perf_metrics,
-                        sample_step, start_run, timed, update_metrics, without_samples)
+from common.run import (load_train_eval, minibatch_order, rollout_perf_metrics, sample_step, start_run, timed,
+                        update_metrics, without_samples)
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 from grounds import path_of
@@ -136,7 +136,7 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     """generator_steps * num_generators + critic_steps * num_critics"""
 
 
-# ALGO LOGIC: the length reward, the MADA reward and the two advantages
+# ALGO LOGIC: the length reward, the MADA reward, the two advantages, the clipped objective and its normalisers
 def length_reward(correct_PG: torch.Tensor, lengths_PG: torch.Tensor) -> torch.Tensor:
     """R_len of each completion, min-max normalised over its group; never positive when wrong.
 
@@ -195,11 +195,21 @@ def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
+    """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
+    least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
+    mini-batch gradient whatever the split."""
+    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                          float(len(mask_BC))]))
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """Policy-gradient loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
+    # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
@@ -363,7 +373,9 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     rank, world = rank_world()
     use_adapter(model, name)
     params = list(adapter_params(model, name).values())  # under --fsdp: this rank's shards
-    optimizer, scheduler = make_optimizer(params, args)
+    # ALGO LOGIC: AdamW on this adapter, warmed up linearly over --warmup-steps optimizer steps, then constant
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = PromptSampler(records, args.seed + 1000 * stage + agent)  # the same on every rank
     steps = args.generator_steps if stage == 1 else args.critic_steps
     bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=rank != 0)
@@ -399,6 +411,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         # 4. old log-probs (no grad) only when the ratio can differ from 1
         with timed(times, "logprobs"):
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
                          old_logp_BC=batched_logprobs(model, rollouts, args.temperature,
@@ -506,7 +519,10 @@ def main(args: Args) -> dict:
              "its question, and would lose its first proposals: raise --max-prompt-tokens, lower --proposal-tokens, "
              "or pass --critic-sees answers")
     check_run_args(args)
-    run_dir = start_run(args, rank)  # seeds python, numpy and torch; batch sizes; the run folder
+    # ALGO LOGIC: the batch sizes
+    args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
+    args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
+    run_dir = start_run(args, rank)  # seeds python, numpy and torch; the run folder
     train_problems, eval_problems = load_train_eval(args)
     if len(eval_problems) < world:  # the debate and Stage 2 give every rank a share of at least one problem
         fail(f"--num-eval-problems {args.num_eval_problems}: {len(eval_problems)} held-out problems for {world} ranks")

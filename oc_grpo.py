@@ -57,16 +57,15 @@ import tyro
 
 from common.args import TrainArgs, check_run_args
 from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import (agree, all_reduce_grads, all_reduce_mean, global_std, init_distributed, max_over_ranks,
-                         shard_models)
+from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
+                         max_over_ranks, shard_models)
 from common.evaluate import evaluator
 from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
-from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts,
-                        minibatch_order, resume_state, rollout_perf_metrics, sample_step, start_run, step_bar, timed,
-                        update_metrics, weight_metrics)
+from common.run import (finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
 from grounds import path_of
@@ -127,7 +126,7 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """--guidance fixed: samples per problem and fraction in the offline probe"""
 
 
-# ALGO LOGIC: advantages, KL, the context-shift weight and the clipped objective
+# ALGO LOGIC: advantages, KL, the context-shift weight, the clipped objective and its normalisers
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage of each completion and whether its group had zero reward std.
 
@@ -199,6 +198,15 @@ def importance_weights(old_logp_BC, hint_logp_BC, mask_BC, mode: str, c_min: flo
     return torch.where(mask_BC > 0, w_BC, torch.ones_like(w_BC))
 
 
+def weight_metrics(w_N: torch.Tensor, c_min: float) -> dict:
+    """is/weight_mean, is/weight_min and is/frac_at_clamp (the share at the lower clamp c_min) of the context-shift
+    weights of the N tokens they apply to: 1, 1 and 0 when there are none."""
+    if not len(w_N):
+        return {"is/weight_mean": 1.0, "is/weight_min": 1.0, "is/frac_at_clamp": 0.0}
+    return {"is/weight_mean": w_N.mean().item(), "is/weight_min": w_N.min().item(),
+            "is/frac_at_clamp": (w_N <= c_min * (1 + 1e-6)).float().mean().item()}
+
+
 def clipped_surrogate(logp_BC, old_logp_BC, adv_BC, clip_low: float, clip_high: float):
     """Per-token loss -min(rho wA, clip(rho, 1 - eps_low, 1 + eps_high) wA), and where the clip is active.
     adv_BC is the per-token advantage w_it * A_i (OC-GRPO section 2.4: the weight scales A, not rho)."""
@@ -224,11 +232,21 @@ def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
+    """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
+    least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
+    mini-batch gradient whatever the split."""
+    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                          float(len(mask_BC))]))
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
+    # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
@@ -314,7 +332,7 @@ def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, resume)
     rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
@@ -329,7 +347,12 @@ def main(args: Args) -> dict:
     model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
-    optimizer, scheduler = make_optimizer(model.parameters(), args)
+    # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
+    args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
+    args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
     engine = make_engine(args, model, tokenizer, args.seed + rank)
     if not any(p.solution for p in train_problems):
         raise SystemExit("error: no training problem has a reference solution, so there is nothing to guide with; "
@@ -410,6 +433,7 @@ def main(args: Args) -> dict:
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
             guided_rows = guided_B.nonzero().flatten()
             weigh = not hinted and args.correction != "none" and max_over_ranks(len(guided_rows), model) > 0
+            # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)

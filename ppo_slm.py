@@ -243,6 +243,7 @@ def policy_forward(model, ids_BT, attn_BT, prompt_len: int, temperature: float):
     C = ids_BT.shape[1] - prompt_len
     out = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT),
                 output_hidden_states=True, use_cache=False, logits_to_keep=C + 1)  # the LM head on completions only
+    # token_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = token_logprobs(out.logits[:, :-1], ids_BT[:, prompt_len:], temperature, with_entropy=True)
     values_BC = model.v_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()).squeeze(-1)
     return logp_BC, values_BC, entropy_BC
@@ -411,6 +412,7 @@ def main(args: Args) -> dict:
         mask_BC, ids_BT, attn_BT = rollouts.completion_mask_BC, rollouts.input_ids_BT, rollouts.attention_mask_BT
         with timed(times, "logprobs"):
             old_logp_BC, values_BC = old_logprobs_values(policy, rollouts, args, device)
+            # batched_logprobs: the reference's log_softmax(logits / T) at the completion ids, no grad, 0 past the end
             ref_logp_BC = batched_logprobs(ref_model, rollouts, args.temperature, args.minibatch_size)
 
         # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages

@@ -63,10 +63,9 @@ from common.evaluate import evaluator
 from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_mismatch
-from common.run import (finish_run, first_evaluation, load_train_eval, make_optimizer, minibatch_counts,
-                        minibatch_order, resume_state, rollout_perf_metrics, sample_step, start_run, step_bar, timed,
-                        update_metrics)
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.run import (finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.verifiers import format_reward, score
 from grounds import path_of
 
@@ -83,6 +82,11 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest); with several, SEC has arms"""
 
     # Rollouts
+    tis: Literal["none", "token", "sequence"] = "none"
+    """truncated importance sampling for the sampler/trainer mismatch: weight the policy loss by
+    min(pi_trainer / pi_sampler, tis_cap) per token or per sequence (needs sampler log-probs: vllm)"""
+    tis_cap: float = 2.0
+    """truncation C of the importance weight"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 8
@@ -125,7 +129,7 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """estimated mode: per-problem success rate p <- (1 - ema) p + ema s/G (first observation: p = s/G)"""
 
 
-# ALGO LOGIC: RLOO advantages and the clipped objective
+# ALGO LOGIC: RLOO advantages, the clipped objective, its normalisers and the sampler's importance weight
 def rloo_advantages(rewards_PG: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Leave-one-out advantage r_i - mean_{j != i} r_j of each completion, and whether its group had zero reward std.
 
@@ -165,16 +169,62 @@ def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
+    """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
+    least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
+    mini-batch gradient whatever the split."""
+    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                          float(len(mask_BC))]))
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
+def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
+    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
+    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
+
+    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
+    ...             "token", 1.5)
+    tensor([[1.5000, 1.0000]])
+    """
+    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
+    if level == "none":
+        return torch.ones_like(log_w_BC)
+    if level == "token":
+        return log_w_BC.exp().clamp(max=cap)
+    if level == "sequence":
+        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
+    raise ValueError(f"unknown importance-sampling level {level!r}")
+
+
+def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
+    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
+    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
+    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
+    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
+    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
+    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
+    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
+                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
+                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
+
+
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """RLOO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
+    # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
+    sampler_stats = {}
+    if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
+        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
+                                                     args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     agg = lambda x: aggregate(x, mask_BC, args.loss_agg, *counts, args.max_new_tokens)  # noqa: E731
     loss = agg(pg_BC)
     with torch.no_grad():
@@ -184,6 +234,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
             "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+            **sampler_stats,
         }
     return loss, stats
 
@@ -288,7 +339,7 @@ def make_curriculum(problems: list, args: Args, seed: int) -> Curriculum:
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, optimizer, resume)
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, resume)
     rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
@@ -299,7 +350,12 @@ def main(args: Args) -> dict:
     model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
-    optimizer, scheduler = make_optimizer(model.parameters(), args)
+    # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
+    args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
+    args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
     sampler = make_curriculum(train_problems, args, args.seed + rank)
     train_levels = sorted({p.level for p in train_problems})
     engine = make_engine(args, model, tokenizer, args.seed + rank)
@@ -331,15 +387,15 @@ def main(args: Args) -> dict:
                 rewards_B += args.format_reward_weight * torch.tensor(
                     [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
 
-        # 3. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly
+        # 3. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
+        # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
+        # compared with, so that comparison costs no extra pass.
         mask_BC = rollouts.completion_mask_BC.clone()
         with timed(times, "logprobs"):
-            needs_old = (args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
-                         or rollouts.sampler_logp_BC is not None)
+            needs_old = args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
+            # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
                            if needs_old else None)
-            mismatch = ({} if rollouts.sampler_logp_BC is None else  # a separate sampler (vllm) against the trainer
-                        sampler_mismatch(old_logp_BC, rollouts.sampler_logp_BC, rollouts.completion_mask_BC))
             ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature,
                                             args.micro_batch_size, args.share_prompt)
                            if ref_model is not None else None)
@@ -353,7 +409,8 @@ def main(args: Args) -> dict:
             adv_PG = rloo_advantages((rewards_B - args.beta * seq_kl_B).view(-1, G))[0]
         adv_B = adv_PG.flatten()
         batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
-                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B, old_logp_BC=old_logp_BC)
+                     prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
+                     sampler_logp_BC=rollouts.sampler_logp_BC, old_logp_BC=old_logp_BC)
 
         # ALGO LOGIC: 4b. SEC: arm reward = mean signal over ALL the arm's rollouts; TD(0) on the sampled arms only
         arm_B = torch.tensor(arm_P).repeat_interleave(G)
@@ -393,7 +450,7 @@ def main(args: Args) -> dict:
             engine.sync_weights(model)
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
-        # other sums are over tokens
+        # other sums (the vllm sampler's rollout/* included) are over tokens
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
@@ -411,7 +468,6 @@ def main(args: Args) -> dict:
                             f"sec/success/arm_{name}": success_M[c].item() / n if n else float("nan")})
         metrics.update({f"sec/level_frac/level_{lv}": sum(p.level == lv for p in problems) / len(problems)
                         for lv in train_levels})
-        metrics.update(mismatch)
         metrics = all_reduce_mean(metrics)
         if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
             metrics["samples/train"] = sample_rows(

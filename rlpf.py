@@ -72,13 +72,13 @@ from code_env import sandbox
 from code_env.tasks import calibrate, check_timing_inputs, extract_program, judge, render_code_prompt, select_tasks
 from common.args import RunArgs, check_run_args
 from common.data import PromptSampler, encode_prompts
-from common.dist import all_reduce_grads, all_reduce_mean, global_std, init_distributed, shard_models
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
 from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine, sampler_correction
-from common.run import (first_evaluation, make_optimizer, minibatch_counts, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples)
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.run import (first_evaluation, minibatch_order, resume_state, rollout_perf_metrics, sample_step, start_run,
+                        step_bar, timed, update_metrics, without_samples)
 from grounds import CODE_MODEL, path_of
 
 
@@ -287,7 +287,7 @@ def program_reward(kind: str, status: str, t_c: float | None, t_b: float, t_r: f
     raise ValueError(f"unknown reward {kind!r}")
 
 
-# ALGO LOGIC: advantages, KL and the clipped objective
+# ALGO LOGIC: advantages, KL, the clipped objective, its normalisers and the sampler's importance weight
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage of each completion and whether its group had zero reward std.
 
@@ -345,11 +345,52 @@ def aggregate(token_loss_BC, mask_BC, mode: str, num_tokens: float, num_nonempty
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
+    """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
+    least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
+    mini-batch gradient whatever the split."""
+    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                          float(len(mask_BC))]))
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
+def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
+    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
+    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
+
+    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
+    ...             "token", 1.5)
+    tensor([[1.5000, 1.0000]])
+    """
+    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
+    if level == "none":
+        return torch.ones_like(log_w_BC)
+    if level == "token":
+        return log_w_BC.exp().clamp(max=cap)
+    if level == "sequence":
+        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
+    raise ValueError(f"unknown importance-sampling level {level!r}")
+
+
+def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
+    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
+    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
+    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
+    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
+    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
+    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
+    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
+                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
+                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
+
+
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
+    # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
                                               with_entropy=True, share_prompt=args.share_prompt)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
@@ -505,7 +546,7 @@ def main(args: Args) -> dict:
     check_timing_args(args)
     if args.score_file:
         return score_file(args)
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, optimizer, resume)
+    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, resume)
     rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
@@ -520,7 +561,12 @@ def main(args: Args) -> dict:
     model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model) if args.beta > 0 else None
     model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
-    optimizer, scheduler = make_optimizer(model.parameters(), args)
+    # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
+    args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
+    args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
     sampler = PromptSampler(train_tasks, args.seed + rank)
     engine = make_engine(args, model, tokenizer, args.seed + rank)
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
@@ -539,7 +585,8 @@ def main(args: Args) -> dict:
         prompt_ids = encode_prompts(tokenizer, [render_code_prompt(t, tokenizer) for t in tasks])
         with timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                       max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
+                                       max_new_tokens=args.max_new_tokens,
+                                       return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the sandbox: run, check and time every program against the re-timed references
         with timed(times, "score"):
@@ -562,6 +609,7 @@ def main(args: Args) -> dict:
         # compared with, so that comparison costs no extra pass.
         with timed(times, "logprobs"):
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
                          sampler_logp_BC=rollouts.sampler_logp_BC,

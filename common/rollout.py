@@ -646,47 +646,6 @@ def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_
     return torch.cat(out) * rollouts.completion_mask_BC
 
 
-def sampler_mismatch(trainer_logp_BC: torch.Tensor, sampler_logp_BC: torch.Tensor, mask_BC: torch.Tensor) -> dict:
-    """How far the sampler's distribution is from the trainer's, on the sampled tokens.
-
-    Tokens come from the sampler q and the trainer scores them with p; with d = log q - log p,
-    k1 = mean d and k3 = mean (exp(-d) - 1 + d) both estimate KL(q || p) per token (k3 is >= 0
-    and has lower variance). A few 1e-3 is bf16-vs-fp32 noise; growth means stale weights.
-    """
-    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
-    n = mask_BC.sum().clamp(min=1)
-    return {"rollout/mismatch_k1": (d_BC.sum() / n).item(),
-            "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item() / n.item()}
-
-
-def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
-    """Truncated importance weights for sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training"): w = min(p_trainer / q_sampler, cap),
-    per token, or per sequence with the ratio of whole-sequence probabilities. Detached.
-
-    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])),
-    ...             torch.ones(1, 2), "token", 1.5)
-    tensor([[1.5000, 1.0000]])
-    """
-    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
-    if level == "none":
-        return torch.ones_like(log_w_BC)
-    if level == "token":
-        return log_w_BC.exp().clamp(max=cap)
-    if level == "sequence":
-        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
-    raise ValueError(f"unknown importance-sampling level {level!r}")
-
-
-def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
-    """`tis_weights` and, as token sums over `mask_BC` (the trainers divide them by all the update's tokens), the
-    sampler's mismatch with the trainer (`sampler_mismatch`) and the weight (rollout/tis_weight_mean)."""
-    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
-    n_tok = mask_BC.sum().item()
-    stats = {k: v * n_tok for k, v in sampler_mismatch(trainer_logp_BC, sampler_logp_BC, mask_BC).items()}
-    return w_BC, {**stats, "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
-
-
 def split_completions(rollouts: Rollouts) -> list[tuple[list[int], str, bool]]:
     """(token ids up to and including eos, text, truncated) of each row, free of the prompt it was sampled from."""
     return [(rollouts.completion_ids_BC[i, : int(rollouts.lengths_B[i])].tolist(), rollouts.texts[i],

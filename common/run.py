@@ -1,5 +1,5 @@
 """The plumbing around every trainer's loop, so that its `main()` shows the algorithm: seeding and the run folder,
-loading the problems, the optimizer, resuming, timing and throughput metrics, the end of the run."""
+loading the problems, resuming, timing and throughput metrics, the end of the run (the step's math is the trainer's)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,9 @@ from common.logger import SAMPLES
 
 
 def start_run(args, rank: int) -> str:
-    """Seed python, numpy and torch with seed + rank; fill in the batch sizes (when Args has them); return the run
-    folder: the --resume folder, or output_dir/{run_name or exp_name__seed__unix time}, the time rank 0's under
-    torchrun so that every rank names the same folder."""
-    if hasattr(args, "batch_size") and hasattr(args, "group_size"):
-        args.batch_size = args.num_prompts * args.group_size
-        args.minibatch_size = args.batch_size // args.num_minibatches
+    """Seed python, numpy and torch with seed + rank; return the run folder: the --resume folder, or
+    output_dir/{run_name or exp_name__seed__unix time}, the time rank 0's under torchrun so that every rank names
+    the same folder."""
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -45,13 +42,6 @@ def load_train_eval(args) -> tuple[list, list]:
     held_out = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels, args.num_eval_problems,
                              args.seed, **fields)
     return train, held_out
-
-
-def make_optimizer(params, args) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW and a linear warmup over --warmup-steps optimizer steps, constant afterwards."""
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    warmup = lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1))  # noqa: E731
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
 
 def resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device: str) -> dict:
@@ -110,15 +100,6 @@ def minibatch_order(args) -> torch.Tensor:
     return (torch.randperm(args.batch_size // G)[:, None] * G + torch.arange(G)).flatten()
 
 
-def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
-    """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
-    least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
-    mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
-                                          float(len(mask_BC))]))
-    return counts[0].item(), counts[1].item(), counts[2].item()
-
-
 def update_metrics(sums: dict, grad_norms: list[float], lr: float, n_updates: int, n_tok: float) -> dict:
     """The update's statistics, for the union batch of all ranks: the loss/* sums (each rank's share of the loss, its
     normalisers being global) summed over ranks as means over its n_updates optimizer steps, the other sums (per-token
@@ -130,15 +111,6 @@ def update_metrics(sums: dict, grad_norms: list[float], lr: float, n_updates: in
     return {**{k: total[i].item() / (n_updates if k.startswith("loss/") else max(n_tok, 1.0))
                for i, k in enumerate(keys)},
             "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": lr}
-
-
-def weight_metrics(w_tok: torch.Tensor, c_min: float) -> dict:
-    """is/weight_mean, is/weight_min and is/frac_at_clamp (the share at the lower clamp c_min) of importance weights
-    over the tokens they apply to (oc_grpo, adakp): 1, 1 and 0 when there are none."""
-    if not len(w_tok):
-        return {"is/weight_mean": 1.0, "is/weight_min": 1.0, "is/frac_at_clamp": 0.0}
-    return {"is/weight_mean": w_tok.mean().item(), "is/weight_min": w_tok.min().item(),
-            "is/frac_at_clamp": (w_tok <= c_min * (1 + 1e-6)).float().mean().item()}
 
 
 def peak_mem_gb(device: str) -> float:

@@ -35,7 +35,7 @@ def update(module, model, batch, rows, args, optimizer, normalise, reduce=lambda
     grad_norms = []
     for _ in range(args.num_iterations):
         mask_BC = batch["mask_BC"][rows]
-        # the trainer's mini-batch normalisers (common.run.minibatch_counts): tokens, non-empty sequences, sequences
+        # the trainer's mini-batch normalisers (its minibatch_counts): tokens, non-empty sequences, sequences
         counts = tuple(v.item() for v in normalise(torch.tensor(
             [mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()), float(len(rows))])))
         optimizer.zero_grad(set_to_none=True)

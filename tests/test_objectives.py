@@ -1,4 +1,5 @@
-"""grpo.py's objective pinned to hand-computed values, and micro-batch invariance of its gradients."""
+"""grpo.py's objective pinned to hand-computed values (advantages, KL, clip, aggregation, normalisers, the sampler's
+importance weight), micro-batch invariance of its gradients, and its copies in the other trainers."""
 
 import math
 
@@ -88,6 +89,46 @@ def test_loss_aggregations_match_hand_computation():
     assert grpo.aggregate(loss3, mask3, "constant", 4, 2, 3, 3).item() == pytest.approx(10 / 9)
 
 
+def test_minibatch_counts_are_tokens_nonempty_sequences_and_sequences():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert grpo.minibatch_counts(mask) == (3.0, 2.0, 3.0)  # one process: nothing to sum over ranks
+
+
+def test_tis_weights_truncate_per_token_and_per_sequence():
+    p = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.1, 0.2, 0.3]]))
+    q = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.2, 0.4, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # the 3x ratio of row 0 is masked out
+    tok = grpo.tis_weights(p, q, mask, "token", 1.5)
+    assert torch.allclose(tok, torch.tensor([[1.5, 1.0, 1.0], [0.5, 0.5, 1.0]]))
+    seq = grpo.tis_weights(p, q, mask, "sequence", 1.5)  # row 0: 2 x 1 -> 1.5; row 1: 0.5 x 0.5 x 1
+    assert torch.allclose(seq, torch.tensor([[1.5] * 3, [0.25] * 3]))
+    assert torch.equal(grpo.tis_weights(p, q, mask, "none", 1.5), torch.ones(2, 3))
+
+
+def test_sampler_correction_gives_token_sums_the_trainers_divide_by_their_tokens():
+    p = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.1, 0.2, 0.3]]))
+    q = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.2, 0.4, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # 5 tokens
+    w, stats = grpo.sampler_correction(p, q, mask, "token", 1.5)
+    assert torch.equal(w, grpo.tis_weights(p, q, mask, "token", 1.5))
+    assert abs(stats["rollout/tis_weight_mean"] - (1.5 + 1.0 + 0.5 + 0.5 + 1.0)) < 1e-6  # a sum over the 5 tokens
+    d = torch.tensor([0.5, 1.0, 2.0, 2.0, 1.0]).log()  # log q - log p on the 5 tokens
+    assert abs(stats["rollout/mismatch_k1"] - d.sum().item()) < 1e-5
+    assert abs(stats["rollout/mismatch_k3"] - (torch.expm1(-d) + d).sum().item()) < 1e-5
+
+
+def test_sampler_mismatch_hand_values_and_zero_for_the_trainer_itself():
+    # sampler log q, trainer log p on two real tokens and one masked one
+    q = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    p = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
+    _, m = grpo.sampler_correction(p, q, torch.tensor([[1.0, 1.0, 0.0]]), "none", 2.0)
+    d = torch.tensor([math.log(2.0), 0.0])  # log q - log p
+    assert m["rollout/mismatch_k1"] == pytest.approx(d.sum().item(), abs=1e-6)
+    assert m["rollout/mismatch_k3"] == pytest.approx((torch.expm1(-d) + d).sum().item(), abs=1e-6)  # 0.5 - 1 + ln 2
+    _, m = grpo.sampler_correction(p, p, torch.ones(1, 3), "token", 2.0)
+    assert m == {"rollout/mismatch_k1": 0.0, "rollout/mismatch_k3": 0.0, "rollout/tis_weight_mean": 3.0}
+
+
 def _grads_for_micro_batch(model_dir, micro, loss_agg, filter_rows):
     from transformers import AutoModelForCausalLM
 
@@ -108,7 +149,7 @@ def _grads_for_micro_batch(model_dir, micro, loss_agg, filter_rows):
                  old_logp_BC=-torch.rand(B, C) - 0.5, ref_logp_BC=-torch.rand(B, C) - 0.5)
     args = grpo.Args(loss_agg=loss_agg, beta=0.1, kl_estimator="k3", max_new_tokens=C)
     rows = torch.arange(B)
-    counts = (mask.sum().item(), float((mask.sum(1) > 0).sum()), float(B))
+    counts = grpo.minibatch_counts(mask)
     total = 0.0
     for part in rows.split(micro):
         loss, _ = grpo.micro_batch_loss(model, batch, part, args, counts)
@@ -136,9 +177,12 @@ import ast  # noqa: E402
 import inspect  # noqa: E402
 import textwrap  # noqa: E402
 
+import adakp  # noqa: E402
 import direct_opd  # noqa: E402
+import mada_rl  # noqa: E402
 import oc_grpo  # noqa: E402
 import ppo_slm  # noqa: E402
+import rlpf  # noqa: E402
 import rloo_sec  # noqa: E402
 
 COPIES = [  # (name in grpo.py, module, its name there)
@@ -147,6 +191,8 @@ COPIES = [  # (name in grpo.py, module, its name there)
     ("clipped_surrogate", rloo_sec, "clipped_surrogate"), ("clipped_surrogate", oc_grpo, "clipped_surrogate"),
     ("clipped_surrogate", direct_opd, "topk_clipped_surrogate"), ("clipped_surrogate", ppo_slm, "ppo_loss"),
     ("aggregate", rloo_sec, "aggregate"), ("aggregate", oc_grpo, "aggregate"), ("aggregate", direct_opd, "aggregate"),
+    *[("minibatch_counts", m, "minibatch_counts") for m in (oc_grpo, rloo_sec, adakp, direct_opd, mada_rl, rlpf)],
+    *[(f, m, f) for f in ("tis_weights", "sampler_correction") for m in (rloo_sec, adakp, rlpf)],
 ]
 MARK = "# differs from grpo.py"
 
@@ -164,6 +210,24 @@ def test_copies_that_differ_from_grpo_say_so(name, module, copy):
     fn = getattr(module, copy)
     same = copy == name and _code(fn) == _code(getattr(grpo, name))
     assert (MARK in inspect.getsource(fn)) == (not same), f"{module.__name__}.{copy}: mark it iff it differs"
+
+
+def test_oc_grpo_and_adakp_share_the_context_shift_weights_statistics():
+    assert _code(oc_grpo.weight_metrics) == _code(adakp.weight_metrics)
+
+
+SETUP_LINES = """\
+    args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
+    args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+"""
+
+
+@pytest.mark.parametrize("module", [grpo, oc_grpo, rloo_sec, adakp, direct_opd, rlpf], ids=lambda m: m.__name__)
+def test_batch_sizes_optimizer_and_warmup_are_grpos_lines(module):
+    """The step's sizes, AdamW and its warm-up are written out in each trainer, the same lines as grpo.py's."""
+    assert SETUP_LINES in inspect.getsource(module)
 
 
 def _inputs():

@@ -9,8 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import TrainArgs
 from common.rollout import (HFEngine, batched_logprobs, completion_logits, completion_logprobs, completion_mask, left_pad,
-                            make_engine, process_logits, prompt_groups, sampler_correction, sampler_mismatch,
-                            tis_weights)
+                            make_engine, process_logits, prompt_groups)
 
 
 def test_completion_mask_keeps_first_eos_and_drops_the_rest():
@@ -68,40 +67,6 @@ def test_engine_ignores_the_models_generation_config(weak_model_dir, loop):
     torch.manual_seed(0)
     ro = engine.generate([tok("Q:3+4+5\nA:")["input_ids"]], n=32, temperature=1.5, max_new_tokens=16)
     assert len(set(ro.texts)) > 1
-
-
-def test_sampler_mismatch_hand_values():
-    # sampler log q, trainer log p on two real tokens and one masked one
-    q = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
-    p = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
-    m = sampler_mismatch(p, q, torch.tensor([[1.0, 1.0, 0.0]]))
-    d = torch.tensor([torch.log(torch.tensor(2.0)), 0.0])  # log q - log p
-    assert abs(m["rollout/mismatch_k1"] - d.mean().item()) < 1e-6
-    assert abs(m["rollout/mismatch_k3"] - (torch.expm1(-d) + d).mean().item()) < 1e-6  # (0.5 - 1 + ln 2) / 2
-    assert sampler_mismatch(p, p, torch.ones(1, 3)) == {"rollout/mismatch_k1": 0.0, "rollout/mismatch_k3": 0.0}
-
-
-def test_tis_weights_truncate_per_token_and_per_sequence():
-    p = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.1, 0.2, 0.3]]))
-    q = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.2, 0.4, 0.3]]))
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # the 3x ratio of row 0 is masked out
-    tok = tis_weights(p, q, mask, "token", 1.5)
-    assert torch.allclose(tok, torch.tensor([[1.5, 1.0, 1.0], [0.5, 0.5, 1.0]]))
-    seq = tis_weights(p, q, mask, "sequence", 1.5)  # row 0: 2 x 1 -> 1.5; row 1: 0.5 x 0.5 x 1
-    assert torch.allclose(seq, torch.tensor([[1.5] * 3, [0.25] * 3]))
-    assert torch.equal(tis_weights(p, q, mask, "none", 1.5), torch.ones(2, 3))
-
-
-def test_sampler_correction_gives_token_sums_the_trainers_divide_by_their_tokens():
-    p = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.1, 0.2, 0.3]]))
-    q = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.2, 0.4, 0.3]]))
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # 5 tokens
-    w, stats = sampler_correction(p, q, mask, "token", 1.5)
-    assert torch.equal(w, tis_weights(p, q, mask, "token", 1.5))
-    assert abs(stats["rollout/tis_weight_mean"] - (1.5 + 1.0 + 0.5 + 0.5 + 1.0)) < 1e-6  # a sum over the 5 tokens
-    d = torch.tensor([0.5, 1.0, 2.0, 2.0, 1.0]).log()  # log q - log p on the 5 tokens
-    assert abs(stats["rollout/mismatch_k1"] - d.sum().item()) < 1e-5
-    assert abs(stats["rollout/mismatch_k3"] - (torch.expm1(-d) + d).sum().item()) < 1e-5
 
 
 def test_unknown_backend_and_missing_vllm_fail_clearly(tiny_model_dir):

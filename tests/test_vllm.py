@@ -40,13 +40,23 @@ def _greedy_equal(s):
     return same, b.texts
 
 
+def per_token_mismatch(trainer_logp_BC, r) -> dict:
+    """rollout/mismatch_k1 and _k3 of the rollouts `r` as a trainer logs them: grpo.py's token sums (its
+    sampler_correction) over the completion tokens, divided by their number."""
+    import grpo
+
+    mask_BC = r.completion_mask_BC
+    _, sums = grpo.sampler_correction(trainer_logp_BC * mask_BC, r.sampler_logp_BC, mask_BC, "none", 2.0)
+    return {k: sums[k] / mask_BC.sum().item() for k in ("rollout/mismatch_k1", "rollout/mismatch_k3")}
+
+
 def _mismatch(s, n=4):
-    from common.rollout import completion_logprobs, sampler_mismatch
+    from common.rollout import completion_logprobs
 
     r = s["engine"].generate(s["prompt_ids"], n=n, temperature=1.0, max_new_tokens=MAX_NEW, return_logprobs=True)
     with torch.no_grad():
         logp, _ = completion_logprobs(s["model"], r.input_ids_BT, r.attention_mask_BT, r.prompt_len, 1.0)
-    return sampler_mismatch(logp * r.completion_mask_BC, r.sampler_logp_BC, r.completion_mask_BC), r
+    return per_token_mismatch(logp, r), r
 
 
 def test_greedy_outputs_match_hf_generate(setup):
@@ -110,14 +120,17 @@ def test_grpo_runs_with_vllm_backend(tmp_path, weak_model_dir):
     assert 0.5 < last["rollout/tis_weight_mean"] <= 2.0
 
 
-def test_rloo_sec_gets_the_backend_by_flag_alone(tmp_path, weak_model_dir):
+def test_rloo_sec_gets_the_backend_by_flag_alone_and_takes_tis(tmp_path, weak_model_dir):
     import rloo_sec
 
     out = rloo_sec.main(tyro.cli(rloo_sec.Args, args=[
         "--output-dir", str(tmp_path), "--rollout-backend", "vllm", "--total-steps", "2", "--num-prompts", "4",
-        "--group-size", "4", "--num-eval-problems", "8", "--eval-samples", "0", "--eval-every", "0"]))
-    assert math.isfinite(out["last"]["reward/mean"])
-    assert abs(out["last"]["rollout/mismatch_k1"]) < 0.01 and out["last"]["rollout/mismatch_k3"] < 0.01
+        "--group-size", "4", "--num-eval-problems", "8", "--eval-samples", "0", "--eval-every", "0",
+        "--tis", "sequence"]))
+    last = out["last"]
+    assert math.isfinite(last["reward/mean"]) and math.isfinite(last["loss/policy"])
+    assert abs(last["rollout/mismatch_k1"]) < 0.01 and last["rollout/mismatch_k3"] < 0.01, last
+    assert 0.5 < last["rollout/tis_weight_mean"] <= 2.0
 
 
 def test_padded_head_rows_are_never_sampled_by_vllm(setup, wide_head_model_dir):
@@ -125,7 +138,7 @@ def test_padded_head_rows_are_never_sampled_by_vllm(setup, wide_head_model_dir):
     samples, and normalises its log-probs, over the same entries as the trainer (second engine in this process)."""
     from common.args import TrainArgs
     from common.models import load_model, load_tokenizer
-    from common.rollout import completion_logprobs, make_engine, sampler_mismatch
+    from common.rollout import completion_logprobs, make_engine
 
     tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
     prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
@@ -134,7 +147,7 @@ def test_padded_head_rows_are_never_sampled_by_vllm(setup, wide_head_model_dir):
     assert r.completion_ids_BC.max().item() < len(tok)
     with torch.no_grad():
         logp, _ = completion_logprobs(model, r.input_ids_BT, r.attention_mask_BT, r.prompt_len, 1.0)
-    m = sampler_mismatch(logp * r.completion_mask_BC, r.sampler_logp_BC, r.completion_mask_BC)
+    m = per_token_mismatch(logp, r)
     assert abs(m["rollout/mismatch_k1"]) < 0.01 and m["rollout/mismatch_k3"] < 0.01, m
 
 
