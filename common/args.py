@@ -94,7 +94,7 @@ class RunArgs(ExperimentArgs):
     (common.run.minibatch_order). It needs a group's rows in one micro-batch (--micro-batch-size a multiple of
     --group-size); with --gradient-checkpointing it could not share (no KV cache), and is an error"""
 
-    # Filled in at runtime
+    # Filled in at runtime (derived: set --num-prompts, --group-size, --num-minibatches; another value is an error)
     batch_size: int = 0
     """rollouts per step per rank = num_prompts * group_size"""
     minibatch_size: int = 0
@@ -197,6 +197,10 @@ def check_run_args(args, min_group_size: int = 2) -> None:
     if batch % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch} rollouts "
              "(--num-prompts x --group-size)")
+    for name, derived in (("batch_size", batch), ("minibatch_size", batch // args.num_minibatches)):
+        if getattr(args, name) not in (0, derived):  # a derived value: honoured or refused, never silently replaced
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} is derived, not set: --num-prompts x --group-size"
+                 f"{' / --num-minibatches' if name == 'minibatch_size' else ''} = {derived} here; change those")
     samples = getattr(args, "eval_samples", 0)  # sampled evaluation: not every trainer has it (mada_rl, rlpf)
     if samples > 0 and getattr(args, "eval_pass_k", 0) > samples:
         fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "

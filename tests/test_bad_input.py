@@ -163,7 +163,8 @@ def test_lora_targets_the_model_lacks_are_a_one_line_error(trainer, tmp_path, ti
     _assert_one_line_error(str(info.value), r"--lora-target-modules query_key_value dense: .*not found in the base model")
 
 
-@pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "direct_opd", "ppo_slm", "mada_rl", "rlpf", "adakp"])
+@pytest.mark.parametrize("trainer",
+                         ["grpo", "rloo_sec", "oc_grpo", "direct_opd", "ppo_slm", "mada_rl", "rlpf", "adakp"])
 @pytest.mark.parametrize("case", ["learning_rate", "output_dir_is_a_file"])
 def test_flag_errors_come_before_any_model_loads(trainer, case, tmp_path):
     """A flag that is wrong on its face stops the run in one line before anything loads: the model named here does
@@ -181,7 +182,18 @@ def test_flag_errors_come_before_any_model_loads(trainer, case, tmp_path):
         flags += ["--output-dir", str(tmp_path / "a_file")]
         pattern = r"--output-dir .*a_file is a file"
     if trainer == "direct_opd":
-        flags += ["--teacher-pre", str(tmp_path / "no_such_model"), "--teacher-post", str(tmp_path / "no_such_model")]
+        flags += ["--teacher-pre", flags[1], "--teacher-post", flags[1]]
     with pytest.raises(SystemExit) as info:
         module.main(tyro.cli(module.Args, args=flags))
     _assert_one_line_error(str(info.value), pattern)
+
+
+def test_a_derived_batch_size_on_the_command_line_is_refused_not_replaced(tmp_path):
+    """--batch-size is filled in from --num-prompts x --group-size; a different value given is an error, not lost."""
+    flags = ["--model-name", str(tmp_path / "no_such_model"), "--output-dir", str(tmp_path / "runs")]
+    for extra, pattern in ((["--batch-size", "999"], r"--batch-size 999 is derived, not set: .* = 128 here"),
+                           (["--minibatch-size", "5", "--num-minibatches", "2"],
+                            r"--minibatch-size 5 is derived.* = 64")):
+        with pytest.raises(SystemExit) as info:
+            grpo.main(tyro.cli(grpo.Args, args=[*flags, *extra]))
+        _assert_one_line_error(str(info.value), pattern)
