@@ -36,6 +36,11 @@ next pair), teacher-side top-K strategies other than the student's own support (
 dynamic batch sizes and sequence packing (a throughput matter). The loss aggregation is veRL's
 token mean; the ratio is clamped to exp(+-20) and dual-clipped at c = 3 for negative advantages.
 
+With `--rollout-backend vllm` the sampler's mismatch with the student is logged as in grpo.py, and `--tis sequence`
+weights each row's loss by min(prod_t pi_trainer / pi_sampler, C). `--tis token` is refused: the loss at a position
+is an expectation over the top-K support under the trainer's own probabilities, so the sampled token enters only
+through the states after it, which the whole row's ratio corrects.
+
 Metrics beyond grpo.py's (same names where the meaning is the same):
     reward/mean, reward/std            per rollout: sum over its tokens of sum_v A_t(v) (the dense return)
     train/accuracy                     verifier accuracy of the rollouts (logged only, never in the loss)
@@ -74,7 +79,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.args import TrainArgs, check_run_args
+from common.args import TrainArgs, check_run_args, fail
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate, evaluator
@@ -108,6 +113,12 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     (testbed-weak after rejection-sampling fine-tuning on level 3, built once and cached)"""
 
     # Rollouts
+    tis: Literal["none", "token", "sequence"] = "none"
+    """truncated importance sampling for the sampler/trainer mismatch: weight the policy loss by
+    min(pi_trainer / pi_sampler, tis_cap) per sequence (needs sampler log-probs: vllm); token is refused, as the loss
+    at a position is an expectation over the top-K support, not a function of the token sampled there"""
+    tis_cap: float = 2.0
+    """truncation C of the importance weight"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 4
@@ -162,7 +173,7 @@ def default_teacher_post(teacher_pre: str) -> str:
 
 
 # ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient, the
-# loss normalisers
+# loss normalisers and the sampler's importance weight
 def completion_logp_BCV(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float, vocab: int):
     """Log-softmax over the shared vocabulary at every completion position: row t predicts completion token t.
     Only the last C+1 hidden states go through the LM head; padded LM-head rows beyond `vocab` are dropped
@@ -280,6 +291,37 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     return counts[0].item(), counts[1].item(), counts[2].item()
 
 
+def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
+    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
+    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
+
+    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
+    ...             "token", 1.5)
+    tensor([[1.5000, 1.0000]])
+    """
+    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
+    if level == "none":
+        return torch.ones_like(log_w_BC)
+    if level == "token":
+        return log_w_BC.exp().clamp(max=cap)
+    if level == "sequence":
+        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
+    raise ValueError(f"unknown importance-sampling level {level!r}")
+
+
+def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
+    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
+    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
+    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
+    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
+    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
+    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
+    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
+                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
+                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
+
+
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tokens: float, kl_coef: float):
     """Direct-OPD loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
@@ -290,21 +332,27 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tok
     logp_BCK = logp_BCV.gather(-1, batch["topk_ids_BCK"][rows].to(device))
     with torch.no_grad():
         entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1)
-    old_logp_BCK = batch["old_logp_BCK"][rows].to(device)
+    old_logp_BCK, old_logp_BC = batch["old_logp_BCK"][rows].to(device), batch["old_logp_BC"][rows].to(device)
     # J = E[ sum_t sum_{v in V_t} w_t(v) Delta_T(v|s_t) ] - beta KL: per position, the clipped loss summed over K
     pg_BCK, clipped_BCK = topk_clipped_surrogate(logp_BCK, old_logp_BCK, batch["adv_BCK"][rows].to(device),
                                                  args.clip_low, args.clip_high, args.clip_ratio_c)
     pg_BC = pg_BCK.sum(-1)
+    sampler_stats = {}
+    if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
+        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
+                                                     args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per sequence (--tis none: 1)
     kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator, mask_BC)
     loss = aggregate(pg_BC + kl_coef * kl_BC, mask_BC, num_tokens)
     with torch.no_grad():
-        log_ratio_BC = (logp_BC - batch["old_logp_BC"][rows].to(device)) * mask_BC  # padding: 0
+        log_ratio_BC = (logp_BC - old_logp_BC) * mask_BC  # padding: 0
         stats = {  # token sums over this micro-batch; divided by the mini-batch token count by the caller
             "loss/policy": aggregate(pg_BC, mask_BC, num_tokens).item(),
             "loss/kl": aggregate(kl_BC, mask_BC, num_tokens).item(),
             "policy/clip_frac": (clipped_BCK.mean(-1) * mask_BC).sum().item(),
             "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+            **sampler_stats,
         }
     return loss, stats
 
@@ -314,6 +362,12 @@ def main(args: Args) -> dict:
     rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
     # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
+    if args.tis == "token":  # the loss at position t averages over the top-K support under the trainer's own
+        # probabilities: the token drawn at t only decides the states after it, whose distribution the ratio of the
+        # whole row corrects (--tis sequence); a per-token weight would reweight a term that does not depend on it
+        fail("--tis token: Direct-OPD's loss at a position is an expectation over the student's top-K tokens under "
+             "the trainer's own probabilities, so the sampled token's ratio corrects nothing there; use --tis sequence "
+             "(the whole completion's ratio corrects the states it was sampled through)")
     ckpt = open_checkpoint(args.resume, rank, world)
     # the student's token ids go to the teachers unchanged: one vocabulary, checked before any model loads
     model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
@@ -363,7 +417,8 @@ def main(args: Args) -> dict:
         prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
         with timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                       max_new_tokens=args.max_new_tokens)
+                                       max_new_tokens=args.max_new_tokens,
+                                       return_logprobs=args.rollout_backend == "vllm")
 
         # 2. The verifier: logged only (and the outcome term of direct_plus_grpo)
         with timed(times, "score"):
@@ -371,10 +426,12 @@ def main(args: Args) -> dict:
             correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
 
         mask_BC = rollouts.completion_mask_BC.clone()
-        # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference
+        # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference;
+        # the student's log-probs of the sampled tokens are what a separate sampler (vllm) is compared with
         with timed(times, "logprobs"):
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
-                         prompt_len=rollouts.prompt_len, mask_BC=mask_BC, vocab=vocab)
+                         prompt_len=rollouts.prompt_len, mask_BC=mask_BC, vocab=vocab,
+                         sampler_logp_BC=rollouts.sampler_logp_BC)
             old_logp_BC, topk_ids_BCK, old_logp_BCK, topk_mass_BC = batched_support_logprobs(
                 model, batch, args.temperature, args.micro_batch_size, vocab, k=args.top_k)
             post_logp_BC, _, post_logp_BCK, _ = batched_support_logprobs(
@@ -425,7 +482,8 @@ def main(args: Args) -> dict:
             engine.sync_weights(model)
 
         # TRY NOT TO MODIFY: metrics (grpo.py's names where they mean the same; new ones in the module docstring);
-        # loss/* are means over optimizer steps, the other sums are over tokens
+        # loss/* are means over optimizer steps, the other sums (the vllm sampler's rollout/* included) are over
+        # tokens
         n_valid = max(mask_BC.sum().item(), 1.0)
         return_B = adv_BCK.sum((1, 2))
         metrics = {

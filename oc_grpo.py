@@ -42,6 +42,10 @@ perf/gen_tokens_per_s count all generation of the step, the cascade's included (
         --gradient-checkpointing --learning-rate 1e-6 --total-steps 64   # sizes: docs/fsdp.md
     torchrun --nproc-per-node 8 oc_grpo.py --model-name ... --device cuda   # data parallel, one rank per GPU
 
+With `--rollout-backend vllm` the sampler's log-probs are compared with the trainer's and `--tis` weights the
+policy loss, as in grpo.py. A guided row is compared in the context it was sampled from, [x~|y] (the hint pass
+runs for it), so rollout/mismatch_* and the TIS weight see the sampler's error only; the context shift is w's.
+
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens.
 """
 
@@ -83,6 +87,11 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """testbed difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
 
     # Rollouts
+    tis: Literal["none", "token", "sequence"] = "none"
+    """truncated importance sampling for the sampler/trainer mismatch: weight the policy loss by
+    min(pi_trainer / pi_sampler, tis_cap) per token or per sequence (needs sampler log-probs: vllm)"""
+    tis_cap: float = 2.0
+    """truncation C of the importance weight"""
     num_prompts: int = 16
     """prompts per step (per rank)"""
     group_size: int = 8
@@ -126,7 +135,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """--guidance fixed: samples per problem and fraction in the offline probe"""
 
 
-# ALGO LOGIC: advantages, KL, the context-shift weight, the clipped objective and its normalisers
+# ALGO LOGIC: advantages, KL, the context-shift weight, the clipped objective, its normalisers and the sampler's
+# importance weight
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage of each completion and whether its group had zero reward std.
 
@@ -241,6 +251,37 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     return counts[0].item(), counts[1].item(), counts[2].item()
 
 
+def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
+    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
+    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
+
+    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
+    ...             "token", 1.5)
+    tensor([[1.5000, 1.0000]])
+    """
+    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
+    if level == "none":
+        return torch.ones_like(log_w_BC)
+    if level == "token":
+        return log_w_BC.exp().clamp(max=cap)
+    if level == "sequence":
+        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
+    raise ValueError(f"unknown importance-sampling level {level!r}")
+
+
+def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
+    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
+    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
+    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
+    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
+    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
+    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
+    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
+                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
+                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
+
+
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
     """GRPO loss of `rows` of the rollout batch, scaled for gradient accumulation over the mini-batch."""
     device = next(model.parameters()).device
@@ -252,6 +293,11 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
                                           args.clip_low, args.clip_high)
+    sampler_stats = {}
+    if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
+        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
+                                                     args.tis, args.tis_cap)
+        pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
     if args.beta > 0:
@@ -266,6 +312,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
             "policy/clip_frac": (clipped_BC * mask_BC).sum().item(),
             "policy/approx_kl": ((torch.expm1(-log_ratio_BC) + log_ratio_BC) * mask_BC).sum().item(),
             "policy/entropy": (entropy_BC * mask_BC).sum().item(),
+            **sampler_stats,
         }
     return loss, stats
 
@@ -283,7 +330,8 @@ def render_guided_prompt(problem, tokenizer, prefix: str) -> str:
 def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args,
                      model=None) -> tuple[dict, int, float]:
     """For each problem index in `todo`, the lowest prefix fraction whose n guided rollouts contain a success:
-    {index: (fraction, guided prompt ids, completions, correct)}. Indices no fraction rescues are absent.
+    {index: (fraction, guided prompt ids, completions, correct, sampler log-probs)}. Indices no fraction rescues
+    are absent.
     Also the completion tokens the cascade generated, and the seconds its generation took. With a sharded `model`
     every rank generates once per fraction until no rank has a problem pending (generation gathers the layers, a
     collective): a rank with none left generates one token from one prompt, discarded."""
@@ -299,27 +347,36 @@ def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int,
             problems[i].solution, frac)) for i in pending], args.max_prompt_tokens)
         t0 = time.time()
         out = engine.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
-                              max_new_tokens=args.max_new_tokens)
+                              max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
         tokens, seconds = tokens + out.lengths_B.sum().item(), seconds + time.time() - t0
         correct = score(out.texts, [problems[i] for i in pending for _ in range(n)], out.truncated_B)
-        completions = split_completions(out)
+        completions, logps = split_completions(out), sampler_rows(out)
         for k, i in enumerate(pending):
             if any(correct[k * n : (k + 1) * n]):
-                rescued[i] = (frac, prompts[k], completions[k * n : (k + 1) * n], correct[k * n : (k + 1) * n])
+                rescued[i] = (frac, prompts[k], completions[k * n : (k + 1) * n], correct[k * n : (k + 1) * n],
+                              logps[k * n : (k + 1) * n])
         pending = [i for i in pending if i not in rescued]
     return rescued, tokens, seconds
 
 
+def sampler_rows(out) -> list:
+    """Per row of the rollouts `out`, the sampler's log-probs of its completion tokens (vllm), else None."""
+    if out.sampler_logp_BC is None:
+        return [None] * len(out.texts)
+    return [out.sampler_logp_BC[b, : int(n)] for b, n in enumerate(out.lengths_B)]
+
+
 def hint_weights(model, old_logp_BC, rows: list, guided: list[int], width: int, args: Args, pad_id: int):
-    """The context-shift weight w of the `guided` rows (rows: (sampled prompt x~, completion, correct) per batch row),
-    from one no-grad pass on [x~|y], whose completion columns are those of [x|y]. Under --fsdp every rank passes as
-    many rows as the busiest one (copies of row 0, discarded), since each forward is a collective."""
+    """The context-shift weight w of the `guided` rows and their log-probs log pi_old(y | x~) (rows: (sampled
+    prompt x~, completion, ...) per batch row), from one no-grad pass on [x~|y], whose completion columns are those
+    of [x|y]. Under --fsdp every rank passes as many rows as the busiest one (copies of row 0, discarded), since
+    each forward is a collective."""
     padded = guided + [0] * (max_over_ranks(len(guided), model) - len(guided))
     hint = attach([rows[b][0] for b in padded], [rows[b][1] for b in padded], pad_id, width)
     hint_logp_BC = batched_logprobs(model, hint, args.temperature,
                                     args.micro_batch_size, args.share_prompt)[: len(guided)]
     return importance_weights(old_logp_BC[guided], hint_logp_BC, hint.completion_mask_BC[: len(guided)],
-                              args.correction, args.is_clip_min)
+                              args.correction, args.is_clip_min), hint_logp_BC
 
 
 def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
@@ -386,7 +443,8 @@ def main(args: Args) -> dict:
             for x, p, f in zip(prompt_ids, problems, fracs)]
         with timed(times, "generate"):
             sampled = engine.generate(sample_ids, n=G, temperature=args.temperature, top_p=args.top_p,
-                                      max_new_tokens=args.max_new_tokens)
+                                      max_new_tokens=args.max_new_tokens,
+                                      return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the verifier
         with timed(times, "score"):
@@ -402,19 +460,25 @@ def main(args: Args) -> dict:
             rescued, guide_tokens, t_guide_gen = (guidance_cascade(engine, tokenizer, problems, failed, G, args, model)
                                                   if args.guidance == "adaptive" else ({}, 0, 0.0))
             fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
-            batch_rows = [(sample_ids[b // G], c, correct[b]) for b, c in enumerate(split_completions(sampled))]
-            batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok) for c, ok in zip(r[2], r[3])]
+            batch_rows = [(sample_ids[b // G], c, correct[b], lp)  # lp: the sampler's log-probs (vllm), else None
+                          for b, (c, lp) in enumerate(zip(split_completions(sampled), sampler_rows(sampled)))]
+            batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok, lp) for c, ok, lp in zip(r[2], r[3], r[4])]
                                                      for g, r in rescued.items()}, G)
             guided_B = torch.tensor([f is not None for f in fracs]).repeat_interleave(G)
         times["generate"] += t_guide_gen  # time/generate counts the cascade's generation too
 
         # guided rows are re-attached to the unguided prompt x ([x|y]); --prompt-mode hinted keeps x~ ([x~|y])
-        completions = [c for _, c, _ in batch_rows]
+        completions = [c for _, c, _, _ in batch_rows]
         width = max(len(c[0]) for c in completions)
         hinted = args.prompt_mode == "hinted"
-        rollouts = attach([s if hinted else prompt_ids[b // G] for b, (s, _, _) in enumerate(batch_rows)],
+        rollouts = attach([s if hinted else prompt_ids[b // G] for b, (s, *_) in enumerate(batch_rows)],
                           completions, tokenizer.pad_token_id, width)
-        correct_B = torch.tensor([ok for _, _, ok in batch_rows])
+        correct_B = torch.tensor([ok for _, _, ok, _ in batch_rows])
+        sampler_logp_BC = None  # vllm: the sampler's log-probs of each row's tokens, in the completion columns
+        if sampled.sampler_logp_BC is not None:
+            sampler_logp_BC = torch.zeros_like(rollouts.completion_mask_BC)
+            for b, (*_, lp) in enumerate(batch_rows):
+                sampler_logp_BC[b, : len(lp)] = lp
         rewards_B = correct_B.clone()
         if args.format_reward_weight:
             rewards_B += args.format_reward_weight * torch.tensor(
@@ -428,21 +492,28 @@ def main(args: Args) -> dict:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
 
         # 4. old and reference log-probs on [x|y] (no grad), hint log-probs on [x~|y] for guided rows, and the
-        # context-shift weight w (1 on unguided rows); with one epoch and one mini-batch, rho = 1 exactly
+        # context-shift weight w (1 on unguided rows); with one epoch and one mini-batch, rho = 1 exactly, and the
+        # update's own forward gives the trainer's log-probs that a separate sampler (vllm) is compared with
         with timed(times, "logprobs"):
             needs_old = args.num_iterations > 1 or args.num_minibatches > 1
             guided_rows = guided_B.nonzero().flatten()
-            weigh = not hinted and args.correction != "none" and max_over_ranks(len(guided_rows), model) > 0
+            shifted = not hinted and max_over_ranks(len(guided_rows), model) > 0  # rows trained off their prompt
+            hint_pass = shifted and (args.correction != "none" or sampler_logp_BC is not None)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
-                           if needs_old or weigh else None)
+                           if needs_old or hint_pass else None)
             w_BC = torch.ones_like(mask_BC)
-            if weigh:  # --fsdp: on every rank when any rank has guided rows
-                w_BC[guided_rows] = hint_weights(model, old_logp_BC, batch_rows, guided_rows.tolist(), width, args,
-                                                 tokenizer.pad_token_id)
+            if hint_pass:  # --fsdp: on every rank when any rank has guided rows
+                w_BC[guided_rows], hint_logp_BC = hint_weights(model, old_logp_BC, batch_rows, guided_rows.tolist(),
+                                                               width, args, tokenizer.pad_token_id)
+                if sampler_logp_BC is not None:  # vllm drew the guided rows from x~; the loss compares it on [x|y]:
+                    # shifted by log pi_old(y|x) - log pi_old(y|x~), the difference the loss takes is the sampler's
+                    # against the trainer in the sampler's own context (the context shift is w's, not --tis's)
+                    sampler_logp_BC[guided_rows] += old_logp_BC[guided_rows] - hint_logp_BC
             adv_BC = adv_B.unsqueeze(1) * w_BC  # the weight multiplies the (detached) advantage, not the ratio
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_BC,
+                         sampler_logp_BC=sampler_logp_BC,
                          old_logp_BC=old_logp_BC if needs_old else None,
                          ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
                                                       args.micro_batch_size, args.share_prompt)
@@ -470,7 +541,7 @@ def main(args: Args) -> dict:
             engine.sync_weights(model)
 
         # TRY NOT TO MODIFY: metrics (names documented in docs/runs.md); loss/* are means over optimizer steps, the
-        # other sums are over tokens
+        # other sums (the vllm sampler's rollout/* included) are over tokens
         gen_tokens = sampled.lengths_B.sum().item() + guide_tokens  # the cascade's included
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),

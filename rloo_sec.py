@@ -43,6 +43,9 @@ counts are all-reduced; each rank keeps its own success-rate table), sequence pa
     python rloo_sec.py --dataset math_train.jsonl --eval-dataset math_test.jsonl ...   # a 'level' field gives the arms
     torchrun --nproc-per-node 8 rloo_sec.py --model-name ... --device cuda   # data parallel, one rank per GPU
 
+With `--rollout-backend vllm` the sampler's log-probs are compared with the trainer's (rollout/mismatch_k1,
+rollout/mismatch_k3) and `--tis` weights the policy loss by min(pi_trainer / pi_sampler, C), as in grpo.py.
+
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, M curriculum arms.
 """
 

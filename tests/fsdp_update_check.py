@@ -52,7 +52,7 @@ def oc_grpo_weights(module, model, batch, rows, guided, args, pad_id):
     """oc_grpo.py: the context-shift weight of the `guided` rows on `model` (its hint passes), and the weighted
     advantage adv_BC its loss takes, put into the batch."""
     w_BC = torch.ones_like(batch["mask_BC"])
-    w_BC[guided] = module.hint_weights(model, batch["old_logp_BC"], rows, guided, w_BC.shape[1], args, pad_id)
+    w_BC[guided] = module.hint_weights(model, batch["old_logp_BC"], rows, guided, w_BC.shape[1], args, pad_id)[0]
     batch["adv_BC"] = batch["adv_B"].unsqueeze(1) * w_BC
     return w_BC
 

@@ -214,6 +214,14 @@ def test_teacher_post_is_required_for_other_teacher_pre(tmp_path, tiny_model_dir
         direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir))
 
 
+def test_token_level_tis_is_refused_in_one_line_before_any_model_loads(tmp_path, monkeypatch):
+    """The loss at a position averages over the top-K support under the trainer's own probabilities: the sampled
+    token's ratio does not weight it (--tis sequence does, through the states the row was sampled through)."""
+    monkeypatch.setattr(direct_opd, "path_of", lambda name: pytest.fail(f"{name} was looked up"))
+    with pytest.raises(SystemExit, match="^error: --tis token: .* use --tis sequence"):
+        direct_opd.main(_args(tmp_path, "--rollout-backend", "vllm", "--tis", "token"))
+
+
 def test_subprocess_smoke_run(tmp_path, tiny_model_dir, shifted_model_dir, copy_alone):
     """Run from a folder holding only direct_opd.py and common/."""
     r = subprocess.run([sys.executable, "direct_opd.py", *TINY, "--model-name", tiny_model_dir, "--teacher-pre",

@@ -192,7 +192,7 @@ COPIES = [  # (name in grpo.py, module, its name there)
     ("clipped_surrogate", direct_opd, "topk_clipped_surrogate"), ("clipped_surrogate", ppo_slm, "ppo_loss"),
     ("aggregate", rloo_sec, "aggregate"), ("aggregate", oc_grpo, "aggregate"), ("aggregate", direct_opd, "aggregate"),
     *[("minibatch_counts", m, "minibatch_counts") for m in (oc_grpo, rloo_sec, adakp, direct_opd, mada_rl, rlpf)],
-    *[(f, m, f) for f in ("tis_weights", "sampler_correction") for m in (rloo_sec, adakp, rlpf)],
+    *[(f, m, f) for f in ("tis_weights", "sampler_correction") for m in (oc_grpo, rloo_sec, adakp, direct_opd, rlpf)],
 ]
 MARK = "# differs from grpo.py"
 

@@ -142,8 +142,8 @@ def test_cascade_picks_the_lowest_rescuing_fraction_and_replaces_the_whole_group
     assert tokens > 0
     assert sorted(rescued) == [0, 1]  # problem 2 never shows 3 words: stays unrescued (zero advantage)
     for i in (0, 1):
-        frac, prompt, completions, correct = rescued[i]
-        assert frac == 0.6 and correct == [1.0, 0.0, 0.0] and len(completions) == 3
+        frac, prompt, completions, correct, logps = rescued[i]
+        assert frac == 0.6 and correct == [1.0, 0.0, 0.0] and len(completions) == 3 and logps == [None] * 3
         assert "Ref:" in tok.decode(prompt) and completions[0][1] == problems[i].answer
     assert sum("Ref:" not in p for p in engine.prompts) == 0  # every cascade prompt is guided
     # the whole group of G rows is replaced; the other groups are untouched

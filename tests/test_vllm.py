@@ -6,6 +6,7 @@ and after the trainer changes them, and report the log-probs the trainer compute
 
 import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -129,6 +130,38 @@ def test_rloo_sec_gets_the_backend_by_flag_alone_and_takes_tis(tmp_path, weak_mo
         "--tis", "sequence"]))
     last = out["last"]
     assert math.isfinite(last["reward/mean"]) and math.isfinite(last["loss/policy"])
+    assert abs(last["rollout/mismatch_k1"]) < 0.01 and last["rollout/mismatch_k3"] < 0.01, last
+    assert 0.5 < last["rollout/tis_weight_mean"] <= 2.0
+
+
+def test_oc_grpo_compares_guided_rows_with_the_trainer_in_the_context_they_were_sampled_from(tmp_path,
+                                                                                            weak_model_dir):
+    """Guided rows are drawn from x~ and trained on [x|y]: the mismatch (and --tis) must compare the sampler with the
+    trainer on [x~|y], else the context shift log pi(y|x~) - log pi(y|x) would read as sampler error."""
+    import oc_grpo
+    from common.logger import read_metrics
+
+    out = oc_grpo.main(tyro.cli(oc_grpo.Args, args=[
+        "--output-dir", str(tmp_path), "--rollout-backend", "vllm", "--total-steps", "3", "--num-prompts", "4",
+        "--group-size", "4", "--levels", "4", "--num-eval-problems", "8", "--eval-samples", "0", "--eval-every", "0",
+        "--tis", "token"]))
+    rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
+    assert any(r["guide/guided_groups"] > 0 and r["is/weight_mean"] < 1.0 for r in rows)  # off-context rows trained
+    for r in rows:
+        assert math.isfinite(r["loss/policy"])
+        assert abs(r["rollout/mismatch_k1"]) < 0.01 and r["rollout/mismatch_k3"] < 0.01, r
+        assert 0.5 < r["rollout/tis_weight_mean"] <= 2.0
+
+
+def test_direct_opd_logs_the_mismatch_and_takes_sequence_tis(tmp_path, weak_model_dir):
+    import direct_opd
+
+    out = direct_opd.main(tyro.cli(direct_opd.Args, args=[
+        "--output-dir", str(tmp_path), "--rollout-backend", "vllm", "--total-steps", "2", "--num-prompts", "4",
+        "--group-size", "2", "--num-eval-problems", "8", "--eval-samples", "0", "--eval-every", "0",
+        "--tis", "sequence"]))
+    last = out["last"]
+    assert math.isfinite(last["loss/policy"])
     assert abs(last["rollout/mismatch_k1"]) < 0.01 and last["rollout/mismatch_k3"] < 0.01, last
     assert 0.5 < last["rollout/tis_weight_mean"] <= 2.0
 
