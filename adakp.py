@@ -44,11 +44,11 @@ import torch
 import tyro
 
 from common.args import TrainArgs, check_at_least, check_run_args
+from common.checkpoint import open_checkpoint, save_checkpoint
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
                          max_over_ranks, shard_models)
 from common.evaluate import evaluator
-from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,

@@ -80,10 +80,10 @@ import torch.nn.functional as F
 import tyro
 
 from common.args import TrainArgs, check_run_args, fail
+from common.checkpoint import open_checkpoint, save_checkpoint
 from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate, evaluator
-from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids

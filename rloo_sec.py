@@ -60,10 +60,10 @@ import torch
 import tyro
 
 from common.args import TrainArgs, check_run_args
+from common.checkpoint import open_checkpoint, save_checkpoint
 from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluator
-from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine

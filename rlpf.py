@@ -71,9 +71,9 @@ import tyro
 from code_env import sandbox
 from code_env.tasks import calibrate, check_timing_inputs, extract_program, judge, render_code_prompt, select_tasks
 from common.args import RunArgs, check_run_args
+from common.checkpoint import open_checkpoint, save_checkpoint
 from common.data import PromptSampler, encode_prompts
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
-from common.checkpoint import open_checkpoint, save_checkpoint
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from common.checkpoint import resume
 from common.data import load_problems
 from common.dist import all_reduce_sum
-from common.checkpoint import resume
 from common.logger import SAMPLES
 
 

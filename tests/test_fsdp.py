@@ -165,8 +165,8 @@ RESHARD_CHECK = """
 import json, sys, types
 import torch
 from transformers import AutoModelForCausalLM
-from common.dist import full_weights, shard_models
 from common.checkpoint import load_sharded
+from common.dist import full_weights, shard_models
 from common.models import load_model
 ckpt, base = sys.argv[1:3]
 model = load_model(base, "float32", "cpu")  # the untrained weights, sharded over a group of one

@@ -17,8 +17,8 @@ import direct_opd
 import grpo
 import oc_grpo
 import rloo_sec
-from common.data import PromptSampler, load_problems
 from common.checkpoint import KILL_AFTER_SAVE
+from common.data import PromptSampler, load_problems
 from common.logger import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
