@@ -177,8 +177,8 @@ def check_sampling_args(args) -> None:
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
     for name in ("learning_rate", "sft_lr", "rm_lr"):  # checked here, before a model loads, not by AdamW after it
-        if getattr(args, name, 1.0) <= 0:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be above 0")
+        if getattr(args, name, 0.0) < 0:  # 0 is allowed: a frozen run (tests measure the ratio at 1 that way)
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 0")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         fail(f"--output-dir {args.output_dir} is a file; run folders are created inside a folder")
 

@@ -176,7 +176,7 @@ def test_flag_errors_come_before_any_model_loads(trainer, case, tmp_path):
     flags = ["--model-name", str(tmp_path / "no_such_model")]
     if case == "learning_rate":
         flags += ["--output-dir", str(tmp_path / "runs"), "--learning-rate", "-1e-5"]
-        pattern = r"--learning-rate -1e-05 must be above 0"
+        pattern = r"--learning-rate -1e-05 must be at least 0"
     else:
         (tmp_path / "a_file").write_text("")
         flags += ["--output-dir", str(tmp_path / "a_file")]
