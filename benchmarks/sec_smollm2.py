@@ -10,8 +10,13 @@ and docs/img/sec_smollm2.png (the bandit's level probabilities and the zero-adva
     python benchmarks/sec_smollm2.py                      # 2 arms x seeds 1 and 2, about 90 minutes on 2 cores
     python benchmarks/sec_smollm2.py --seeds 1 --steps 2 --num-eval-problems 2   # a smoke run
 
-Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run).
+Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run). A run
+whose folder already holds a finished run with the same arguments is read back, not rerun, so seeds can be added
+in a later session: `--seeds 1 2` after `--seeds 1` runs only seed 2.
 """
+
+import dataclasses
+import json
 
 import argparse
 import os
@@ -51,13 +56,35 @@ def summarise(out: dict, wall_s: float) -> dict:
     }
 
 
-def report(res: dict, cli, flags: list, t_start: float) -> str:
+def finished_run(args: rloo_sec.Args) -> dict | None:
+    """The before/after evaluation of a finished run with exactly these arguments, or None."""
+    run_dir = os.path.join(args.output_dir, args.run_name)
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            saved = json.load(f)
+        now = json.loads(json.dumps(dataclasses.asdict(args)))
+        defaults = json.loads(json.dumps(dataclasses.asdict(rloo_sec.Args())))
+        # a flag added since the run was made counts as the same run while it keeps its default
+        # (batch_size and minibatch_size are derived from the other flags and written after)
+        same = saved.keys() <= now.keys() and all(
+            saved.get(k, defaults[k]) == v for k, v in now.items() if k not in ("batch_size", "minibatch_size"))
+        evals = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "eval/greedy_accuracy" in r]
+    except (OSError, ValueError):
+        return None
+    if not same or len(evals) < 2 or evals[-1]["step"] != args.total_steps:
+        return None
+    wall_s = os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")) - os.path.getmtime(
+        os.path.join(run_dir, "args.json"))  # from the run's start to its last row, as if it ran now
+    return {"before": evals[0], "after": evals[-1], "run_dir": run_dir, "wall_s": wall_s}
+
+
+def report(res: dict, cli, flags: list) -> str:
     lv = " | ".join(f"L{x}" for x in LEVELS)
     n = cli.num_eval_problems
     lines = ["# SEC on SmolLM2-135M-Instruct (rloo_sec.py, testbed-nl levels 1-5)", "",
              f"`python benchmarks/sec_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
              f"--num-eval-problems {n}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU (shared), float32, "
-             f"{(time.time() - t_start) / 60:.0f} minutes so far. Each run is `python rloo_sec.py {' '.join(flags)} "
+             f"{sum(r['wall_s'] for r in res.values()) / 60:.0f} minutes of runs so far. Each run is `python rloo_sec.py {' '.join(flags)} "
              "--curriculum {label,uniform} --seed S`: RLOO on both arms, 4 prompts x 8 samples a step, 48 new "
              "tokens. Held-out greedy accuracy on "
              f"{n} problems per level ({n * len(LEVELS)} in all), the same problems for every run; a cut answer "
@@ -126,16 +153,20 @@ def main():
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_smollm2"))
     cli = p.parse_args()
     flags = [*RECIPE, "--total-steps", str(cli.steps), "--num-eval-problems", str(cli.num_eval_problems)]
-    res, t_start = {}, time.time()
+    res = {}
     for seed in cli.seeds:  # seed-major: a finished seed is a complete comparison
         for arm in cli.arms:
             t0 = time.time()
             tag = "sec" if arm.startswith("SEC") else arm
-            out = rloo_sec.main(tyro.cli(rloo_sec.Args, args=[
-                *flags, *ARMS[arm], "--seed", str(seed), "--output-dir", cli.output_dir,
-                "--run-name", f"{tag}_seed{seed}"]))
-            res[(arm, seed)] = summarise(out, time.time() - t0)
-            text = report(res, cli, flags, t_start)
+            args = tyro.cli(rloo_sec.Args, args=[*flags, *ARMS[arm], "--seed", str(seed),
+                                                  "--output-dir", cli.output_dir, "--run-name", f"{tag}_seed{seed}"])
+            out = finished_run(args)
+            if out is None:
+                out = rloo_sec.main(args)
+            else:
+                print(f"{arm}, seed {seed}: finished run read back from {out['run_dir']}")
+            res[(arm, seed)] = summarise(out, out.get("wall_s", time.time() - t0))
+            text = report(res, cli, flags)
             with open(cli.out, "w") as f:
                 f.write(text)
             plot(res, cli.plot)
