@@ -9,7 +9,8 @@ Two optimizer steps (two PPO epochs, clipping active), then the gathered weights
 (the inactive adapters and the base must not move), and each rank generates greedily from the sharded model with
 two different adapters active.
 
-    torchrun --nproc-per-node 2 tests/fsdp_mada_check.py MODEL_DIR OUT.json
+Run by tests/fsdp_update_check.py (`... fsdp_update_check.py grpo,mada_rl MODEL_DIR OUT.json`), in the same launch
+as the other trainers' checks.
 """
 
 import copy
@@ -23,15 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mada_rl  # noqa: E402
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
-from common.dist import all_reduce_grads, all_reduce_sum, full_weights, init_distributed, shard_models  # noqa: E402
+from common.dist import all_reduce_grads, all_reduce_sum, full_weights, shard_models  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.rollout import HFEngine, batched_logprobs  # noqa: E402
-from fsdp_update_check import update, write_gathered  # noqa: E402
+from fsdp_update_check import update  # noqa: E402
 
 
-def main():
-    model_dir, out_path = sys.argv[1:3]
-    rank, world, _ = init_distributed("cpu")
+def check(model_dir: str, rank: int, world: int) -> dict:
+    """This rank's result."""
     args = tyro.cli(mada_rl.Args, args=["--model-name", model_dir, "--fsdp", "--num-prompts", "4", "--group-size", "4",
                                         "--micro-batch-size", "3", "--num-iterations", "2", "--max-new-tokens", "6",
                                         "--max-grad-norm", "0.05", "--learning-rate", "1e-4", "--lora-r", "4"])
@@ -82,8 +82,4 @@ def main():
               "local_numel": sum(p.to_local().numel() for p in model.parameters()),
               "total_numel": sum(p.numel() for p in plain.parameters()),
               "dp_weight_diff": max((p - q).abs().max().item() for p, q in zip(dp.parameters(), plain.parameters()))}
-    write_gathered(result, out_path, world)
-
-
-if __name__ == "__main__":
-    main()
+    return result

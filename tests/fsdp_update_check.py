@@ -10,7 +10,10 @@ compared with the reference's (and those of the plain data-parallel path with sm
 each rank generates greedily from the sharded model (its own prompts, its own
 lengths) and from the reference.
 
-    torchrun --nproc-per-node 2 tests/fsdp_update_check.py grpo MODEL_DIR OUT.json
+    torchrun --nproc-per-node 2 tests/fsdp_update_check.py grpo,rloo_sec MODEL_DIR OUT.json
+
+Several trainers (comma-separated; mada_rl by tests/fsdp_mada_check.py) are checked one after another in one
+launch (one process group, one start-up); OUT.json maps each trainer to the list of its ranks' results.
 """
 
 import copy
@@ -74,19 +77,20 @@ def select_kps(module, model, tok, problems, rank, sharded):
                                 sharded)
 
 
-def write_gathered(result: dict, out_path: str, world: int) -> None:
-    """Every rank's `result`, gathered, written by rank 0 to `out_path` as a JSON list (the test reads it)."""
+def gathered(result: dict, world: int) -> list:
+    """Every rank's `result`, in rank order."""
     results = [None] * world
     torch.distributed.all_gather_object(results, result)
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    return results
 
 
-def main():
-    trainer, model_dir, out_path = sys.argv[1:4]
+def check(trainer: str, model_dir: str, rank: int, world: int) -> dict:
+    """This rank's result for one trainer (mada_rl: tests/fsdp_mada_check.py, its LoRA agents)."""
+    if trainer == "mada_rl":
+        from fsdp_mada_check import check as check_mada
+
+        return check_mada(model_dir, rank, world)
     module = importlib.import_module(trainer)
-    rank, world, device = init_distributed("cpu")
     args = tyro.cli(module.Args, args=["--model-name", model_dir, "--fsdp", "--num-prompts", "4", "--group-size", "4",
                                        "--micro-batch-size", "3", "--num-iterations", "2", "--max-new-tokens", "6",
                                        "--beta", "0.05", "--max-grad-norm", "0.05", "--learning-rate", "1e-4"])
@@ -165,7 +169,16 @@ def main():
               "fsdp_grad_norms": fsdp_norms, "local_numel": local_numel,
               "total_numel": sum(p.numel() for p in plain.parameters()), "texts_equal": got == want,
               "bucketed_dp_weight_diff": dp_diff, **extra}
-    write_gathered(result, out_path, world)
+    return result
+
+
+def main():
+    trainers, model_dir, out_path = sys.argv[1:4]
+    rank, world, _ = init_distributed("cpu")
+    results = {trainer: gathered(check(trainer, model_dir, rank, world), world) for trainer in trainers.split(",")}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

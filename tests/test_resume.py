@@ -2,10 +2,10 @@
 learning-rate warmup counted in optimizer steps, and one-line errors for bad --resume folders and contradicting
 flags, with nothing already written in the run folder lost."""
 
+import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -18,7 +18,7 @@ import grpo
 import oc_grpo
 import rloo_sec
 from common.checkpoint import KILL_AFTER_SAVE
-from common.data import PromptSampler, load_problems
+from common.data import load_problems
 from common.logger import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,20 +30,39 @@ def _rows(run_dir) -> dict:
     return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r}
 
 
-def _torchrun(script, tmp_path, *extra, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *TINY,
-           "--total-steps", "4", "--save-every", "2", "--output-dir", str(tmp_path), *extra]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+ADAKP = ["--num-train-problems", "4", "--reselect-every", "1", "--probe", "rollout"]
 
 
-def _next_draws(script, own: dict, rank: int) -> list:
-    """The problems a rank draws at the next step, from its own saved sampler (grpo: a shuffled pass seeded with
-    seed + rank; rloo_sec: the curriculum with its saved random stream)."""
-    if script == "grpo.py":
-        sampler = PromptSampler(load_problems("testbed", "train", (3,), 0, 1), 1 + rank)
-        sampler.load_state_dict(own["sampler"])
-        return [p.uid for p in sampler.next(2)]
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory, weak_model_dir):
+    """rloo_sec.py and adakp.py on 2 processes (gloo, the plain data-parallel path), each run straight to step 4,
+    killed right after the checkpoint of step 2, and resumed from it: three launches of tests/torchrun_mains.py
+    (each ends at its kill), not six. Returns the folder with the runs `<trainer>_straight`, `<trainer>_killed`."""
+    out = tmp_path_factory.mktemp("torchrun_resume")
+    kill = {KILL_AFTER_SAVE: "2"}
+
+    def run(trainer, name, *extra):
+        flags = ["--model-name", weak_model_dir, *TINY, "--total-steps", "4", "--save-every", "2", "--output-dir",
+                 str(out), "--run-name", f"{trainer}_{name}", *(ADAKP if trainer == "adakp" else []), *extra]
+        return [trainer, flags, kill if name == "killed" and not extra else {}]
+
+    def launch(*runs):
+        (out / "spec.json").write_text(json.dumps(runs))
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "tests/torchrun_mains.py", str(out / "spec.json")], cwd=ROOT, capture_output=True,
+                              text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    first = launch(run("rloo_sec", "straight"), run("adakp", "straight"), run("adakp", "killed"))
+    assert first.returncode != 0 and "run finished: adakp" in first.stdout, first.stderr[-3000:]  # killed last
+    assert launch(run("rloo_sec", "killed")).returncode != 0
+    resumed = launch(*[run(t, "killed", "--resume", str(out / f"{t}_killed")) for t in ("rloo_sec", "adakp")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out
+
+
+def _next_draws(own: dict) -> list:
+    """The problems rloo_sec draws at the next step from a rank's saved sampler (the curriculum with its saved
+    random stream)."""
     args = tyro.cli(rloo_sec.Args, args=[])
     problems = load_problems("testbed", "train", args.levels, 0, 1)
     cur = rloo_sec.make_curriculum(problems, args, 0)
@@ -52,24 +71,17 @@ def _next_draws(script, own: dict, rank: int) -> list:
     return [p.uid for p in rloo_sec.sample_batch(cur, problems, 2, probs)[1]]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo_sec.py"])
-def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_dir, script):
-    """2 processes (gloo): both ranks train and rank 0 logs each step once; killed right after the checkpoint of
-    step 2 and resumed, the run logs the same steps 3-4 as an uninterrupted one; each rank saved and restored its own
-    state, and the ranks draw different problems."""
-    straight = _torchrun(script, tmp_path, "--run-name", "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    steps = [x["step"] for x in read_metrics(tmp_path / "straight" / "metrics.jsonl") if "reward/mean" in x]
+def test_torchrun_resume_continues_each_ranks_own_stream(torchrun_runs):
+    """rloo_sec.py on 2 processes (gloo), the plain data-parallel path (grpo.py: with --fsdp, in test_fsdp.py): both
+    ranks train and rank 0 logs each step once; killed right after the checkpoint of step 2 and resumed, the run logs
+    the same steps 3-4 as an uninterrupted one; each rank saved and restored its own state (its curriculum's
+    generator), and the ranks draw different problems."""
+    straight, run_dir = torchrun_runs / "rloo_sec_straight", torchrun_runs / "rloo_sec_killed"
+    steps = [x["step"] for x in read_metrics(straight / "metrics.jsonl") if "reward/mean" in x]
     assert steps == [1, 2, 3, 4]  # logged once, by rank 0
-    trained = _rows(tmp_path / "straight").values()
+    trained = _rows(straight).values()
     assert all(0.0 <= x["reward/mean"] <= 1.0 for x in trained) and any(x["optim/grad_norm"] > 0 for x in trained)
-    killed = _torchrun(script, tmp_path, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
-    assert killed.returncode != 0
-    run_dir = tmp_path / "killed"
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
-    resumed = _torchrun(script, tmp_path, "--resume", str(run_dir))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
+    ref, got = _rows(straight), _rows(run_dir)
     assert sorted(got) == [1, 2, 3, 4]
     for s in (3, 4):
         keys = [k for k in ref[s] if k.startswith(("reward/", "rollout/", "optim/lr", "sec/q/", "sec/level_frac/"))]
@@ -81,24 +93,18 @@ def test_torchrun_resume_continues_each_ranks_own_stream(tmp_path, weak_model_di
     own = [torch.load(run_dir / "checkpoint" / f"rank{r}_state.pt", weights_only=False) for r in (0, 1)]
     assert not torch.equal(own[0]["rng"]["torch"], own[1]["rng"]["torch"])
     assert own[0]["rng"]["python"] != own[1]["rng"]["python"]
-    assert _next_draws(script, own[0], 0) != _next_draws(script, own[1], 1)
+    assert _next_draws(own[0]) != _next_draws(own[1])
 
 
-def test_adakp_torchrun_resume_restores_each_ranks_knowledge_point_state(tmp_path, weak_model_dir):
+def test_adakp_torchrun_resume_restores_each_ranks_knowledge_point_state(torchrun_runs):
     """adakp.py on 2 processes: each rank keeps the KP selections, budgets and probe cache of the problems it drew,
     saved in its own rank file; killed after step 2 and resumed, steps 3-4 log what an uninterrupted run logs."""
-    flags = ["--num-train-problems", "4", "--reselect-every", "1", "--probe", "rollout"]
-    straight = _torchrun("adakp.py", tmp_path, *flags, "--run-name", "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _torchrun("adakp.py", tmp_path, *flags, "--run-name", "killed", env={KILL_AFTER_SAVE: "2"})
-    assert killed.returncode != 0
-    run_dir = tmp_path / "killed"
+    run_dir = torchrun_runs / "adakp_killed"
     own = [torch.load(run_dir / "checkpoint" / f"rank{r}_state.pt", weights_only=False) for r in (0, 1)]
     assert "kp" in own[0] and "kp" in own[1] and "probe_cache" in own[1]
     assert "kp" not in torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
-    resumed = _torchrun("adakp.py", tmp_path, *flags, "--resume", str(run_dir))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ref, got = _rows(tmp_path / "straight"), _rows(run_dir)
+    ref, got = _rows(torchrun_runs / "adakp_straight"), _rows(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
     for s in (3, 4):
         for key in [k for k in ref[s] if k.startswith(("reward/", "kp/", "rollout/completion_len"))]:
             assert got[s][key] == ref[s][key], (s, key)
