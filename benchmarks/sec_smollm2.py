@@ -11,12 +11,14 @@ and docs/img/sec_smollm2.png (the bandit's level probabilities and the zero-adva
     python benchmarks/sec_smollm2.py --seeds 1 --steps 2 --num-eval-problems 2   # a smoke run
 
 Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run). A run
-whose folder already holds a finished run with the same arguments is read back, not rerun, so seeds can be added
-in a later session: `--seeds 1 2` after `--seeds 1` runs only seed 2.
+whose folder already holds a finished run with the same arguments is read back, not rerun, and an unfinished one
+continues from its last checkpoint (every 5 steps), so the benchmark goes on in a later session and seeds can be
+added: `--seeds 1 2` after `--seeds 1` runs only seed 2.
 """
 
 import dataclasses
 import json
+import shutil
 
 import argparse
 import os
@@ -35,16 +37,16 @@ from common.logger import read_metrics  # noqa: E402
 RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "--levels", "1", "2", "3", "4", "5",
           "--num-prompts", "4", "--group-size", "8", "--max-new-tokens", "48", "--micro-batch-size", "16",
           "--share-prompt", "--learning-rate", "2e-5", "--eval-samples", "0", "--log-samples", "4",
-          "--eval-every", "0", "--save-every", "0"]
+          "--eval-every", "0", "--save-every", "5"]
 ARMS = {"SEC (label arms)": ["--curriculum", "label"], "uniform": ["--curriculum", "uniform"]}
 LEVELS = (1, 2, 3, 4, 5)
 
 
-def summarise(out: dict, wall_s: float) -> dict:
+def summarise(out: dict) -> dict:
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
     half = rows[len(rows) // 2:]
     return {
-        "run_dir": out["run_dir"], "wall_s": wall_s, "rows": rows,
+        "run_dir": out["run_dir"], "train_s": sum(r["perf/step_time"] for r in rows), "rows": rows,
         "before": {lv: out["before"][f"eval/greedy_accuracy/level_{lv}"] for lv in LEVELS},
         "after": {lv: out["after"][f"eval/greedy_accuracy/level_{lv}"] for lv in LEVELS},
         "all_before": out["before"]["eval/greedy_accuracy"], "all_after": out["after"]["eval/greedy_accuracy"],
@@ -56,26 +58,42 @@ def summarise(out: dict, wall_s: float) -> dict:
     }
 
 
-def finished_run(args: rloo_sec.Args) -> dict | None:
-    """The before/after evaluation of a finished run with exactly these arguments, or None."""
-    run_dir = os.path.join(args.output_dir, args.run_name)
+IGNORED = ("batch_size", "minibatch_size", "resume", "save_every")
+"""args.json fields that do not make a run different: derived after the start, or without effect on the figures"""
+
+
+def same_run(args: rloo_sec.Args) -> bool:
+    """The run folder args.run_name holds a run (finished or not) with these arguments; a flag added to rloo_sec.py
+    since the run was made counts as the same while it keeps its default."""
     try:
-        with open(os.path.join(run_dir, "args.json")) as f:
+        with open(os.path.join(args.output_dir, args.run_name, "args.json")) as f:
             saved = json.load(f)
-        now = json.loads(json.dumps(dataclasses.asdict(args)))
-        defaults = json.loads(json.dumps(dataclasses.asdict(rloo_sec.Args())))
-        # a flag added since the run was made counts as the same run while it keeps its default
-        # (batch_size and minibatch_size are derived from the other flags and written after)
-        same = saved.keys() <= now.keys() and all(
-            saved.get(k, defaults[k]) == v for k, v in now.items() if k not in ("batch_size", "minibatch_size"))
-        evals = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "eval/greedy_accuracy" in r]
     except (OSError, ValueError):
-        return None
-    if not same or len(evals) < 2 or evals[-1]["step"] != args.total_steps:
-        return None
-    wall_s = os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")) - os.path.getmtime(
-        os.path.join(run_dir, "args.json"))  # from the run's start to its last row, as if it ran now
-    return {"before": evals[0], "after": evals[-1], "run_dir": run_dir, "wall_s": wall_s}
+        return False
+    now = json.loads(json.dumps(dataclasses.asdict(args)))
+    defaults = json.loads(json.dumps(dataclasses.asdict(rloo_sec.Args())))
+    return saved.keys() <= now.keys() and all(saved.get(k, defaults[k]) == v for k, v in now.items()
+                                              if k not in IGNORED)
+
+
+def run(args: rloo_sec.Args) -> dict:
+    """rloo_sec's main for these arguments, or what it left: a finished run is read back, an unfinished one continues
+    from its last checkpoint (--resume: the same numbers as a run never stopped), anything else starts afresh. So a
+    benchmark stopped with its session goes on in the next one."""
+    run_dir = os.path.join(args.output_dir, args.run_name)
+    if same_run(args):
+        evals = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "eval/greedy_accuracy" in r]
+        if len(evals) >= 2 and evals[-1]["step"] == args.total_steps:
+            print(f"{args.run_name}: finished run read back from {run_dir}")
+            return {"before": evals[0], "after": evals[-1], "run_dir": run_dir}
+        if os.path.exists(os.path.join(run_dir, "checkpoint", "trainer_state.pt")):
+            print(f"{args.run_name}: continuing the unfinished run in {run_dir} from its checkpoint")
+            args.resume = run_dir
+            return rloo_sec.main(args)
+    if os.path.exists(run_dir):
+        print(f"{args.run_name}: {run_dir} holds another or unstarted run; starting afresh")
+        shutil.rmtree(run_dir)
+    return rloo_sec.main(args)
 
 
 def report(res: dict, cli, flags: list) -> str:
@@ -84,7 +102,7 @@ def report(res: dict, cli, flags: list) -> str:
     lines = ["# SEC on SmolLM2-135M-Instruct (rloo_sec.py, testbed-nl levels 1-5)", "",
              f"`python benchmarks/sec_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
              f"--num-eval-problems {n}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU (shared), float32, "
-             f"{sum(r['wall_s'] for r in res.values()) / 60:.0f} minutes of runs so far. Each run is `python rloo_sec.py {' '.join(flags)} "
+             f"{sum(r['train_s'] for r in res.values()) / 60:.0f} minutes of training steps so far (evaluations excluded). Each run is `python rloo_sec.py {' '.join(flags)} "
              "--curriculum {label,uniform} --seed S`: RLOO on both arms, 4 prompts x 8 samples a step, 48 new "
              "tokens. Held-out greedy accuracy on "
              f"{n} problems per level ({n * len(LEVELS)} in all), the same problems for every run; a cut answer "
@@ -93,13 +111,13 @@ def report(res: dict, cli, flags: list) -> str:
              "Premise (benchmarks/testbed_premises_smollm2.md): zero-shot greedy 0.55 / 0.35 / 0.00 / 0.15 / 0.00 "
              "on levels 1-5, so levels 3 and 5 give almost no signal to the base model.", "",
              "## Held-out greedy accuracy per level (before -> after) and zero-advantage groups", "",
-             f"| arm | seed | {lv} | all | zero-adv groups (run / 2nd half) | train acc | wall min |",
+             f"| arm | seed | {lv} | all | zero-adv groups (run / 2nd half) | train acc | step min |",
              "|---|---|" + "---|" * (len(LEVELS) + 4)]
     for (arm, seed), r in res.items():
         cells = " | ".join(f"{r['before'][x]:.3f} -> {r['after'][x]:.3f}" for x in LEVELS)
         lines.append(f"| {arm} | {seed} | {cells} | {r['all_before']:.3f} -> {r['all_after']:.3f} | "
                      f"{r['zero_std']:.3f} / {r['zero_std_half']:.3f} | {r['train_acc']:.3f} | "
-                     f"{r['wall_s'] / 60:.0f} |")
+                     f"{r['train_s'] / 60:.0f} |")
     lines += ["", "## Where each arm drew its prompts (fraction per level over the run) and the bandit's final "
               "probabilities", "", f"| arm | seed | {lv} | final pi(level) |", "|---|---|" + "---|" * (len(LEVELS) + 1)]
     for (arm, seed), r in res.items():
@@ -156,16 +174,10 @@ def main():
     res = {}
     for seed in cli.seeds:  # seed-major: a finished seed is a complete comparison
         for arm in cli.arms:
-            t0 = time.time()
             tag = "sec" if arm.startswith("SEC") else arm
             args = tyro.cli(rloo_sec.Args, args=[*flags, *ARMS[arm], "--seed", str(seed),
                                                   "--output-dir", cli.output_dir, "--run-name", f"{tag}_seed{seed}"])
-            out = finished_run(args)
-            if out is None:
-                out = rloo_sec.main(args)
-            else:
-                print(f"{arm}, seed {seed}: finished run read back from {out['run_dir']}")
-            res[(arm, seed)] = summarise(out, out.get("wall_s", time.time() - t0))
+            res[(arm, seed)] = summarise(run(args))
             text = report(res, cli, flags)
             with open(cli.out, "w") as f:
                 f.write(text)

@@ -108,14 +108,16 @@ class TrainArgs(RunArgs):
     """'testbed-weak', 'testbed-strong' (built locally and cached), 'smollm2-135m-instruct' (converted once from an
     installed package, see docs/testbed.md), a Hugging Face id, or a local folder"""
     dataset: str = "testbed"
-    """'testbed', 'testbed-nl' (the testbed's problems in words, for chat models), a local .jsonl file, or a Hugging
-    Face dataset name"""
+    """'testbed', 'testbed-nl' (the testbed's problems in words, for chat models), a local .jsonl/.json file (every
+    10th record is held out for evaluation, the others train), a folder of <split>.jsonl files, or a Hugging Face
+    dataset name"""
     dataset_config: str | None = None
     """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"
     """split used for training (Hugging Face datasets)"""
     eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset); needed for local files, which have no splits"""
+    """dataset for held-out evaluation (default: --dataset, its --eval-split; a local file's every 10th record). A
+    different local file is read whole, and so is --dataset's file then"""
     eval_split: str = "test"
     """split used for held-out evaluation"""
     levels: tuple[int, ...] = (3,)
@@ -153,7 +155,6 @@ class TrainArgs(RunArgs):
     """held-out problems per evaluation"""
 
 
-
 def check_at_least(args, lo: int, *names: str) -> None:
     """A one-line error for the first of the flags `names` whose value is below `lo`."""
     for name in names:
@@ -168,30 +169,30 @@ def fail(message: str):
 
 def check_sampling_args(args) -> None:
     """Flags that would fail deep inside torch or after the model loads: a one-line error first. Greedy decoding is
-    what the evaluation does; a training sampler needs a temperature above 0 (its log-probs are divided by it)."""
+    what the evaluation does; a training sampler needs a temperature above 0 (its log-probs are divided by it).
+    A testbed model on other data is a warning (tests do it on purpose): its rewards would be about 0, unexplained."""
     if not args.temperature > 0:
         fail(f"--temperature {args.temperature} must be above 0 (log-probs are computed at the sampling temperature; "
              "greedy answers are what the evaluation reports)")
     if not 0 < args.top_p <= 1:
         fail(f"--top-p {args.top_p} must be in (0, 1] (1 keeps the sampler exactly on-policy)")
-    if args.max_new_tokens < 1:
-        fail(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    check_at_least(args, 1, "max_new_tokens")
     for name in ("learning_rate", "sft_lr", "rm_lr"):  # checked here, before a model loads, not by AdamW after it
         if getattr(args, name, 0.0) < 0:  # 0 is allowed: a frozen run (tests measure the ratio at 1 that way)
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 0")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         fail(f"--output-dir {args.output_dir} is a file; run folders are created inside a folder")
+    if args.model_name in ("testbed-weak", "testbed-strong") and getattr(args, "dataset", "testbed") != "testbed":
+        print(f"warning: --model-name {args.model_name} reads only the testbed's own compact problems (--dataset "
+              f"testbed), not {args.dataset}; pass --model-name (e.g. smollm2-135m-instruct, a hub id or a folder)")
 
 
 def check_run_args(args, min_group_size: int = 2) -> None:
     """Flags that contradict each other, shared by the group-sampling trainers: a one-line error before any work."""
     check_sampling_args(args)
     batch = args.num_prompts * args.group_size
-    for name in ("num_prompts", "group_size", "num_iterations", "num_minibatches", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
-    if args.total_steps < 0:
-        fail(f"--total-steps {args.total_steps} must be at least 0")
+    check_at_least(args, 1, "num_prompts", "group_size", "num_iterations", "num_minibatches", "micro_batch_size")
+    check_at_least(args, 0, "total_steps")
     if args.group_size < min_group_size:
         fail(f"--group-size {args.group_size} must be at least {min_group_size} (a group baseline needs two samples)")
     if batch % args.num_minibatches:

@@ -2,13 +2,12 @@
 
     --dataset testbed                 the embedded suite (levels from --levels)
     --dataset testbed-nl              the same kind of problems in words, for chat models (common/testbed_nl.py)
-    --dataset data/train.jsonl        one JSON object per line
+    --dataset data/problems.jsonl     one JSON object per line; every 10th is held out (--eval-dataset: read whole)
     --dataset openai/gsm8k            any HF dataset (GSM8K, MATH-500 and similar fields)
     --dataset data/                   a local folder: data/<split>.jsonl (or .json), else read by `datasets`
 
-Field names are detected (question/problem/prompt, answer/ground_truth, solution, level)
-or set with the field options. A GSM8K-style answer ("... #### 72") is split into the
-final answer and the solution text.
+Field names are detected (question/problem/prompt, answer/ground_truth, solution, level) or set with the field
+options. A GSM8K-style answer ("... #### 72") is split into the final answer and the solution text.
 """
 
 from __future__ import annotations
@@ -43,13 +42,11 @@ def _pick(row: dict, explicit: str | None, candidates: tuple, what: str, source:
         if explicit not in row:
             fail(f"{source}: field {explicit!r} (given for the {what}) is missing; fields are {sorted(row)}")
         return explicit
-    for name in candidates:
-        if name in row:
-            return name
-    if required:
+    found = next((name for name in candidates if name in row), None)
+    if required and found is None:
         fail(f"{source}: no {what} field found (tried {list(candidates)}); fields are {sorted(row)}. "
              f"Name it with --{what}-field.")
-    return None
+    return found
 
 
 def rows_to_problems(rows: list[dict], source: str, question_field=None, answer_field=None, solution_field=None,
@@ -79,18 +76,15 @@ def rows_to_problems(rows: list[dict], source: str, question_field=None, answer_
                 fail(f"{where[i]}: record {i} field {name!r} is {_kind(value)}; expected {want}")
         answer, solution = str(row[a_name]), str(row.get(s_name) or "") if s_name else ""
         if "####" in answer:  # GSM8K: "reasoning ... #### 72"
-            solution, answer = solution or answer.split("####")[0].strip(), answer.split("####")[-1].strip()
-            answer = strip_thousands(answer)
+            parts = answer.split("####")
+            solution, answer = solution or parts[0].strip(), strip_thousands(parts[-1].strip())
         level = row.get(l_name, 0) if l_name else 0
-        if isinstance(level, str):  # MATH: "Level 3"
-            digits = re.findall(r"\d+", level)
-            level = int(digits[0]) if digits else 0
+        level = int((re.findall(r"\d+", level) or [0])[0]) if isinstance(level, str) else level  # MATH: "Level 3"
         kps = row.get("kp_list") or []  # candidate knowledge points (KnowRL's field name)
         if not (isinstance(kps, list) and all(isinstance(k, str) for k in kps)):
             fail(f"{where[i]}: record {i} field 'kp_list' is {_kind(kps)}; expected a list of strings")
-        problems.append(Problem(question=str(row[q_name]), answer=answer, level=int(level or 0), solution=solution,
-                                hints=list(kps), task="math",
-                                uid=str(row.get("id", row.get("unique_id", f"{source}:{i}")))))
+        uid = str(row.get("id", row.get("unique_id", f"{source}:{i}")))
+        problems.append(Problem(str(row[q_name]), answer, int(level or 0), solution, list(kps), task="math", uid=uid))
     return problems
 
 
@@ -130,19 +124,16 @@ def read_json_records(path: str) -> tuple[list, list[str]]:
 def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems: int = 0, seed: int = 0,
                   dataset_config: str | None = None, question_field: str | None = None,
                   answer_field: str | None = None, solution_field: str | None = None,
-                  level_field: str | None = None) -> list[Problem]:
-    """The problems of one split. `num_problems` > 0 keeps the first that many."""
-    if dataset == "testbed":
-        problems = make_suite("test" if split in ("test", "validation") else "train", levels=tuple(levels),
-                              n_per_level=num_problems or 500, seed=seed)
-        return problems
-    if dataset == "testbed-nl":
-        return make_nl_suite("test" if split in ("test", "validation") else "train", levels=tuple(levels),
-                             n_per_level=num_problems or 500, seed=seed)
-    where = None
-    local = [os.path.join(dataset, split + ext) for ext in (".jsonl", ".json")] if os.path.isdir(dataset) else []
-    local = [f for f in local if os.path.isfile(f)]
-    if dataset.endswith((".jsonl", ".json")) and not os.path.isdir(dataset):
+                  level_field: str | None = None, whole: bool = False) -> list[Problem]:
+    """The problems of one split; `num_problems` > 0 keeps the first that many of it. A local .jsonl/.json file has
+    two, once every record is checked (errors name its line): every 10th record (index % 10 == 0) is held out ('test',
+    'validation'), the others are 'train'; with `whole` (held-out problems from another file) it is read whole."""
+    if dataset in ("testbed", "testbed-nl"):
+        return (make_suite if dataset == "testbed" else make_nl_suite)(
+            "test" if split in ("test", "validation") else "train", tuple(levels), num_problems or 500, seed)
+    where, one_file = None, dataset.endswith((".jsonl", ".json")) and not os.path.isdir(dataset)
+    local = [f for f in (os.path.join(dataset, split + ext) for ext in (".jsonl", ".json")) if os.path.isfile(f)]
+    if one_file:
         rows, where = read_json_records(dataset)
     elif local:  # a folder with <split>.jsonl: read it here, so that errors name the file and line
         rows, where = read_json_records(local[0])
@@ -151,22 +142,26 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
             import datasets
         except ImportError:
             fail(f"loading the Hugging Face dataset {dataset!r} needs `pip install datasets`")
-        hf_split = split
         try:
-            rows = list(datasets.load_dataset(dataset, dataset_config, split=hf_split))
+            rows = list(datasets.load_dataset(dataset, dataset_config, split=split))
         except Exception as e:  # noqa: BLE001 - the hub/cache raises many types
-            fail(f"could not load dataset {dataset!r} (config {dataset_config!r}, split {hf_split!r}): "
+            fail(f"could not load dataset {dataset!r} (config {dataset_config!r}, split {split!r}): "
                  f"{type(e).__name__}: {' '.join(str(e).split())}")
     problems = rows_to_problems(rows, dataset, question_field, answer_field, solution_field, level_field, where)
+    if one_file and not whole:
+        if len(problems) < 2:
+            fail(f"{dataset}: 1 record, too few to split into training and held-out problems (every 10th record is "
+                 "held out); add records, or pass a separate held-out file with --eval-dataset")
+        problems = [p for i, p in enumerate(problems) if (i % 10 == 0) == (split in ("test", "validation"))]
     return problems[:num_problems] if num_problems else problems
 
 
 def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", template: str = MATH_TEMPLATE) -> str:
-    """The text the policy sees. Testbed problems use the compact format the testbed models
-    were trained on; others use `template` (testbed-nl: with its answer instruction in place of the math
-    one), then `suffix` (text a trainer appends, e.g. oc_grpo.py's
-    partial reference solution), inside the tokenizer's chat template when it has one, after the system turn
-    the tokenizer's `system_prompt` asks for (common.models.load_tokenizer; None: the template's default)."""
+    """The text the policy sees. Testbed problems use the compact format the testbed models were trained on; others
+    use `template` (testbed-nl: with its answer instruction in place of the math one), then `suffix` (text a trainer
+    appends, e.g. oc_grpo.py's partial reference solution), inside the tokenizer's chat template when it has one,
+    after the system turn the tokenizer's `system_prompt` asks for (common.models.load_tokenizer; None: the
+    template's default)."""
     if problem.task == "testbed":
         return render_testbed_prompt(problem.question, hints)
     # hints in KnowRL's format: "{problem}\n\n## Hint\n{one per line}\n\nPlease reason step by step, ..."
@@ -176,8 +171,7 @@ def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", templ
     text = template.format(question=question) + suffix
     if getattr(tokenizer, "chat_template", None):
         system = getattr(tokenizer, "system_prompt", None)  # set by common.models.load_tokenizer
-        messages = ([] if system is None else [{"role": "system", "content": system}]) + [
-            {"role": "user", "content": text}]
+        messages = [{"role": "system", "content": system}] * (system is not None) + [{"role": "user", "content": text}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
 
@@ -185,9 +179,7 @@ def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", templ
 def encode_prompts(tokenizer, texts: list[str], max_prompt_tokens: int = 0) -> list[list[int]]:
     """Token ids of each prompt (no special tokens added: chat templates carry their own)."""
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    if max_prompt_tokens:
-        ids = [x[-max_prompt_tokens:] for x in ids]  # keep the end, where the question is
-    return ids
+    return [x[-max_prompt_tokens:] for x in ids] if max_prompt_tokens else ids  # the end is kept: the question is there
 
 
 class PromptSampler:

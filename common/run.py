@@ -35,9 +35,10 @@ def start_run(args, rank: int) -> str:
 
 
 def load_train_eval(args) -> tuple[list, list]:
-    """The training problems and the held-out ones (--eval-dataset, else --dataset's --eval-split)."""
+    """Training and held-out problems: --eval-dataset (another file: both read whole), else --dataset's --eval-split."""
     fields = dict(dataset_config=args.dataset_config, question_field=args.question_field,
-                  answer_field=args.answer_field, solution_field=args.solution_field)
+                  answer_field=args.answer_field, solution_field=args.solution_field,
+                  whole=os.path.realpath(args.eval_dataset or args.dataset) != os.path.realpath(args.dataset))
     train = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed, **fields)
     held_out = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels, args.num_eval_problems,
                              args.seed, **fields)

@@ -1,11 +1,17 @@
-"""common/data.py and common/models.py: local files, field mapping, and clear errors on bad input."""
+"""common/data.py and common/models.py: local files, their held-out split, field mapping, and clear errors on bad
+input."""
 
 import json
+import os
 
 import pytest
+import tyro
 
+import grpo
+from common.args import check_run_args
 from common.data import PromptSampler, load_problems, render_prompt
 from common.models import load_model
+from common.run import load_train_eval
 
 
 def _write(path, rows):
@@ -15,20 +21,20 @@ def _write(path, rows):
 
 def test_gsm8k_style_jsonl_splits_answer_and_solution(tmp_path):
     f = _write(tmp_path / "gsm.jsonl", [{"question": "2+2?", "answer": "Add them.\n#### 1,004"}])
-    (p,) = load_problems(f)
+    (p,) = load_problems(f, whole=True)
     assert (p.question, p.answer, p.solution, p.task) == ("2+2?", "1004", "Add them.", "math")
 
 
 def test_math500_style_jsonl_with_levels(tmp_path):
     rows = [{"problem": "x?", "answer": "\\frac12", "solution": "so \\boxed{\\frac12}", "level": "Level 3",
              "unique_id": "a/1"}]
-    (p,) = load_problems(_write(tmp_path / "m.jsonl", rows))
+    (p,) = load_problems(_write(tmp_path / "m.jsonl", rows), whole=True)
     assert (p.question, p.answer, p.level, p.uid) == ("x?", "\\frac12", 3, "a/1")
 
 
 def test_field_mapping_options(tmp_path):
     f = _write(tmp_path / "c.jsonl", [{"q": "x", "gt": "3", "why": "because"}])
-    (p,) = load_problems(f, question_field="q", answer_field="gt", solution_field="why")
+    (p,) = load_problems(f, question_field="q", answer_field="gt", solution_field="why", whole=True)
     assert (p.question, p.answer, p.solution) == ("x", "3", "because")
 
 
@@ -55,6 +61,75 @@ def test_empty_and_missing_files_are_clear_errors(tmp_path):
         load_problems(str(tmp_path / "broken.jsonl"))
 
 
+# A local file has two splits: every 10th record held out, the others train
+
+
+def _twenty(tmp_path, name="p.jsonl"):
+    return _write(tmp_path / name, [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(20)])
+
+
+def test_a_local_file_holds_out_every_tenth_record(tmp_path):
+    f = _twenty(tmp_path)
+    train, test = load_problems(f, "train"), load_problems(f, "test")
+    assert [p.answer for p in test] == ["0", "20"] and len(train) == 18
+    assert {p.question for p in train}.isdisjoint(p.question for p in test)
+    assert [p.uid for p in load_problems(f, "validation")] == [p.uid for p in test] == [f"{f}:0", f"{f}:10"]
+    # --num-train-problems / --num-eval-problems cut the split, not the file
+    assert [p.answer for p in load_problems(f, "train", num_problems=3)] == ["2", "4", "6"]
+    assert [p.answer for p in load_problems(f, "test", num_problems=1)] == ["0"]
+
+
+def test_both_splits_check_every_record_and_name_its_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(open(_twenty(tmp_path)).read() + '{"question": "What is 1 + 1?"}\n')  # record 20: held out
+    for split in ("train", "test"):
+        with pytest.raises(SystemExit, match=r"p\.jsonl:21: record 20 has no 'answer'"):
+            load_problems(str(f), split)
+
+
+def test_a_file_too_small_to_split_is_a_one_line_error(tmp_path, tiny_model_dir):
+    one = _write(tmp_path / "one.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}])
+    with pytest.raises(SystemExit) as info:
+        grpo.main(tyro.cli(grpo.Args, args=["--model-name", tiny_model_dir, "--dataset", one,
+                                            "--output-dir", str(tmp_path / "runs")]))
+    message = str(info.value)
+    assert message.startswith(f"error: {one}: 1 record, too few to split") and "\n" not in message, message
+    assert "--eval-dataset" in message
+    assert len(load_problems(one, whole=True)) == 1  # read whole (the held-out problems from another file), it is fine
+
+
+def test_a_separate_eval_file_is_read_whole_and_the_same_file_is_split(tmp_path):
+    f, g = _twenty(tmp_path), _twenty(tmp_path, "other.jsonl")
+    args = tyro.cli(grpo.Args, args=["--dataset", f, "--eval-dataset", g])
+    train, held_out = load_train_eval(args)
+    assert len(train) == 20 and len(held_out) == 20 and held_out[0].uid == f"{g}:0"
+    same = os.path.relpath(f)  # the same file under another name: still one file, split
+    train, held_out = load_train_eval(tyro.cli(grpo.Args, args=["--dataset", f, "--eval-dataset", same]))
+    assert len(train) == 18 and [p.answer for p in held_out] == ["0", "20"]
+
+
+def test_a_run_on_a_local_file_evaluates_on_its_held_out_records(tmp_path, tiny_model_dir):
+    f = _twenty(tmp_path)
+    out = grpo.main(tyro.cli(grpo.Args, args=[
+        "--model-name", tiny_model_dir, "--dataset", f, "--total-steps", "1", "--num-prompts", "4", "--group-size",
+        "2", "--max-new-tokens", "4", "--eval-samples", "0", "--output-dir", str(tmp_path / "runs"), "--run-name", "r"]))
+    with open(os.path.join(out["run_dir"], "samples.jsonl")) as fh:
+        samples = [json.loads(line) for line in fh]
+    held_out = {"What is 0 + 0?", "What is 10 + 10?"}
+    assert {s["question"] for s in samples if s["kind"] == "eval"} == held_out
+    assert {s["question"] for s in samples if s["kind"] == "train"}.isdisjoint(held_out)
+
+
+def test_a_testbed_model_on_other_data_warns_early(tmp_path, capsys):
+    check_run_args(tyro.cli(grpo.Args, args=["--dataset", _twenty(tmp_path)]))
+    out = capsys.readouterr().out
+    assert out.startswith("warning: --model-name testbed-weak reads only the testbed's own compact problems")
+    assert "pass --model-name" in out and out.count("\n") == 1
+    check_run_args(tyro.cli(grpo.Args, args=[]))  # the testbed itself: no warning
+    check_run_args(tyro.cli(grpo.Args, args=["--dataset", "x.jsonl", "--model-name", "some/model"]))
+    assert capsys.readouterr().out == ""
+
+
 def test_nonexistent_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         load_model(str(tmp_path / "no-model-here"))
@@ -64,7 +139,7 @@ def test_math_prompt_uses_chat_template_when_present(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    (p,) = load_problems(_write(tmp_path / "g.jsonl", [{"question": "What is 2+2?", "answer": "4"}]))
+    (p,) = load_problems(_write(tmp_path / "g.jsonl", [{"question": "What is 2+2?", "answer": "4"}]), whole=True)
     assert render_prompt(p, tok).startswith("What is 2+2?") and "\\boxed{}" in render_prompt(p, tok)
     tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}A:"
     assert render_prompt(p, tok).startswith("<|im_start|>What is 2+2?")
