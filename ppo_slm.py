@@ -49,7 +49,7 @@ import tyro
 from common.args import ExperimentArgs, check_sampling_args
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
                          local_part, shard_models)
-from common.logger import RunLogger, sample_rows
+from common.logger import RunLogger, read_metrics, sample_rows
 from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
 from common.run import rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples
@@ -358,7 +358,7 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(trainable.values(), lr=args.learning_rate)
     healthy = healthy_state(trainable, optimizer)
     guard, moments, beta = FiniteLogits(), RunningMoments(), args.init_kl_coef
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    logger = RunLogger(args, run_dir, enabled=rank == 0, extra=("rm/score_mean",))  # curve.png: the samples' RM score
     is_testbed = args.dataset == "testbed"
     eval_ex = heldout[: args.num_eval_prompts]
     eval_ids = tokenizer([e.prompt for e in eval_ex], add_special_tokens=False)["input_ids"]
@@ -512,15 +512,20 @@ def main(args: Args) -> dict:
     final_eval["safety/rollbacks"] = rollbacks
     logger.log(step, final_eval)
     final_eval = without_samples(final_eval)
-    logger.close(plot=False)
+    logger.close()
     trained = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu()  # every rank: each gather a collective
                for n, t in policy.state_dict().items() if "lora_" in n or n.startswith("v_head.")}
     if rank == 0:
         policy.save_pretrained(os.path.join(run_dir, "ppo_adapter"), state_dict=trained)
         torch.save({n[len("v_head."):]: t for n, t in trained.items() if n.startswith("v_head.")},
                    os.path.join(run_dir, "ppo_adapter", "value_head.pt"))
-        line = (f"RM score {sft_eval['eval/rm_score']:.3f} -> {final_eval['eval/rm_score']:.3f}, "
-                f"win rate over SFT (RM) {final_eval['eval/win_rate_rm']:.3f}")
+        # the training samples' RM score (means of the first and last 30 steps, as in docs/ppo_slm.md), then held out
+        rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        scores = [r["rm/score_mean"] for r in rows if "rm/score_mean" in r] or [math.nan]
+        k = max(1, min(30, len(scores) // 2))
+        line = (f"training samples' RM score {np.mean(scores[:k]):.3f} -> {np.mean(scores[-k:]):.3f} (means of the "
+                f"first and last {k} steps); held out (n={len(eval_ex)}): win rate over SFT (RM) "
+                f"{final_eval['eval/win_rate_rm']:.3f}")
         if is_testbed:
             line += (f", verifier win rate {final_eval['eval/win_rate_verifier']:.3f}, greedy accuracy "
                      f"{sft_eval['eval/greedy_accuracy']:.3f} -> {final_eval['eval/greedy_accuracy']:.3f}")

@@ -97,7 +97,15 @@ def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, devic
 
 def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
     """Stage 2: the SFT backbone (adapter merged) with a scalar head, Bradley-Terry loss; saved merged."""
-    rm = load_score_model(sft_dir)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would list score.weight as MISSING: expected, said below in words
+    try:
+        rm = load_score_model(sft_dir)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    print("reward model: the SFT model with a new score head (score.weight, initialised at random), trained below")
     rm.config.pad_token_id = tokenizer.pad_token_id
     rm = add_lora(rm, ["default"], args.rm_lora_r, 2 * args.rm_lora_r, args.lora_target_modules,
                   task_type="SEQ_CLS").to(device)

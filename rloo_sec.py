@@ -363,7 +363,7 @@ def main(args: Args) -> dict:
     train_levels = sorted({p.level for p in train_problems})
     engine = make_engine(args, model, tokenizer, args.seed + rank)
     state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    logger = RunLogger(args, run_dir, enabled=rank == 0, extra=("sec/prob/",))  # the curriculum: console, curve.png
 
     run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
     first_eval = first_evaluation(run_eval, state, logger)

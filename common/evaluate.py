@@ -23,14 +23,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0,
-             temperature: float = 1.0, pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0,
-             top_p: float = 1.0) -> dict:
-    """eval/greedy_accuracy (and per level), eval/format_rate (greedy answers in the task's answer format,
-    common.verifiers.format_reward), eval/truncated_frac (greedy answers cut at max_new_tokens), eval/sampled_accuracy
-    and eval/pass_at_k when num_samples > 0 (sampled
-    at `temperature` and `top_p`, as in training); with log_samples > 0 also 'samples/eval': that many greedy answers
-    as text (common.logger.sample_rows). A completion cut at max_new_tokens scores 0.
+def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0, temperature: float = 1.0,
+             pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0, top_p: float = 1.0) -> dict:
+    """eval/greedy_accuracy (and per level) over eval/num_problems problems, eval/format_rate (greedy answers in the
+    task's answer format, common.verifiers.format_reward), eval/truncated_frac (greedy answers cut at max_new_tokens),
+    eval/sampled_accuracy and eval/pass_at_k when num_samples > 0 (sampled at `temperature` and `top_p`, as in
+    training); with log_samples > 0 also 'samples/eval': that many greedy answers as text (common.logger.sample_rows).
+    A completion cut at max_new_tokens scores 0.
 
     Under torchrun each rank answers its share, problems[rank::world], and the counts are summed over ranks, so every
     rank returns the figures of all `problems` (8 ranks evaluate about 8x faster). A rank with no share generates for
@@ -38,8 +37,7 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
     if not problems:
         return {}
     rank, world = rank_world()
-    share = problems[rank::world]
-    counted, share = len(share), share or problems[:1]
+    counted, share = len(problems[rank::world]), problems[rank::world] or problems[:1]
     prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in share], max_prompt_tokens)
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
     correct = score(greedy.texts, share, greedy.truncated_B)[:counted]
@@ -59,14 +57,12 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
         sums += [sum(per_problem), counted * num_samples, sum(pass_at_k(num_samples, int(x), k) for x in per_problem)]
     total = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()
     out = {"eval/greedy_accuracy": total[0] / total[1], "eval/format_rate": total[2] / total[1],
-           "eval/truncated_frac": total[3] / total[1]}
+           "eval/truncated_frac": total[3] / total[1], "eval/num_problems": int(total[1])}
     if len(levels) > 1:
         out.update({f"eval/greedy_accuracy/level_{lv}": total[4 + 2 * i] / max(total[5 + 2 * i], 1)
                     for i, lv in enumerate(levels)})
-    if num_samples > 0:
-        n_samples = total[-2]
-        out["eval/sampled_accuracy"] = total[-3] / n_samples
-        out["eval/pass_at_k"] = total[-1] / (n_samples / num_samples)
+    if num_samples > 0:  # sampled accuracy over all the samples, pass@k over the problems
+        out.update({"eval/sampled_accuracy": total[-3] / total[-2], "eval/pass_at_k": total[-1] / total[1]})
     if log_samples > 0 and counted:
         out["samples/eval"] = sample_rows(tokenizer, greedy, share[:counted], log_samples, correct=correct)
     return out

@@ -2,9 +2,9 @@
 
     runs/<run_name>/
         args.json          the resolved arguments
-        metrics.jsonl      one JSON object per logged step (and per eval)
+        metrics.jsonl      one JSON object per step (the final evaluation joins the last step's row)
         samples.jsonl      a few rollouts and greedy held-out answers as text, at evaluation steps and the last step
-        curve.png          reward and eval accuracy against step, written at the end
+        curve.png          reward and eval accuracy against step (and a trainer's `extra` metrics), written at the end
         checkpoint/        latest checkpoint (model, tokenizer, optimizer, RNG, data position)
 """
 
@@ -26,15 +26,17 @@ CONSOLE_KEYS = ("reward/mean", "train/accuracy", "adv/frac_zero_std", "loss/poli
 SAMPLES = "samples/"
 """metrics whose key starts with this hold lists of sample dicts (`sample_rows`): they go to samples.jsonl, not to
 metrics.jsonl ('samples/train': the step's rollouts, 'samples/eval': greedy held-out answers)"""
-PROMPT_TAIL_CHARS = 200
-"""how much of the end of a prompt a sample keeps (the question is at the end; chat headers and hints before it)"""
+PROMPT_TAIL_CHARS = 1000
+"""how much of the end of a prompt a sample keeps: a GSM8K prompt whole, with its chat template and system turn"""
 
 
 class RunLogger:
-    """Writes every metric to metrics.jsonl, a compact line to the console, and wandb with `track`."""
+    """Writes every metric to metrics.jsonl (one row per step), a compact line to the console, and wandb with `track`.
+    `extra`: prefixes of a trainer's own metrics also on the console (`prob=0.2/0.5/0.3`) and in curve.png, below."""
 
-    def __init__(self, args, run_dir: str, enabled: bool = True):
-        self.run_dir, self.enabled, self.wandb, self.samples_file = run_dir, enabled, None, None
+    def __init__(self, args, run_dir: str, enabled: bool = True, extra: tuple[str, ...] = ()):
+        self.run_dir, self.enabled, self.extra = run_dir, enabled, extra
+        self.wandb = self.samples_file = self.last = None  # last: the last row of metrics.jsonl (resumed: checkpoint's)
         if not enabled:  # non-zero ranks under torchrun
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -52,6 +54,7 @@ class RunLogger:
             with open(path, "w") as f:
                 json.dump(now, f, indent=2)
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.last = read_metrics(self.file.name)[-1] if getattr(args, "resume", "") and self.file.tell() else None
         if getattr(args, "track", False):
             import wandb
 
@@ -60,18 +63,25 @@ class RunLogger:
                                     id=os.path.basename(run_dir).replace("/", "_"))
 
     def log(self, step: int, metrics: dict, bar=None) -> None:
-        """One row of metrics.jsonl and a console line; the sample lists among `metrics` (keys 'samples/...') go to
-        samples.jsonl, one row per sample, to the console (one compact line each) and to wandb as a Table."""
+        """The step's row of metrics.jsonl (a second log at a step, the final evaluation, joins it) and a console line;
+        the sample lists among `metrics` (keys 'samples/...') go to samples.jsonl, the console and a wandb Table."""
         if not self.enabled:
             return
         samples = {k: v for k, v in metrics.items() if k.startswith(SAMPLES)}
-        row = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items() if k not in samples}}
+        new = {k: _plain(v) for k, v in metrics.items() if k not in samples}
+        row = {"step": step, "time": time.time(), **new}
+        if self.last and self.last["step"] == step:  # one row per step: the step's last line is rewritten with these
+            self.file.truncate(self.file.seek(0, os.SEEK_END) - len(json.dumps(self.last)) - 1)
+            row = {**self.last, **row}
+        self.last = row
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(row, step=step)
-        line = f"step {step:>4} " + " ".join(
-            f"{k.split('/')[-1]}={row[k]:.3g}" for k in CONSOLE_KEYS if isinstance(row.get(k), (int, float)))
+        shown = [(k.split("/")[-1], [new[k]]) for k in CONSOLE_KEYS if k in new]
+        shown += [(p.strip("/").split("/")[-1], [v for k, v in new.items() if k.startswith(p)]) for p in self.extra]
+        line = f"step {step:>4} " + " ".join(name + "=" + "/".join(f"{v:.3g}" for v in vs) for name, vs in shown
+                                            if vs and all(isinstance(v, (int, float)) for v in vs))
         write = bar.write if bar is not None else print
         write(line)
         for key, rows in samples.items():
@@ -91,10 +101,9 @@ class RunLogger:
             import wandb
 
             columns = list(dict.fromkeys(k for r in rows for k in r))
-            data = [[r.get(c) if not isinstance(r.get(c), (list, dict)) else json.dumps(r.get(c)) for c in columns]
+            data = [[step, *(json.dumps(r[c]) if isinstance(r.get(c), (list, dict)) else r.get(c) for c in columns)]
                     for r in rows]
-            table = wandb.Table(columns=["step", *columns], data=[[step, *d] for d in data])
-            self.wandb.log({f"{SAMPLES}{kind}": table}, step=step)
+            self.wandb.log({f"{SAMPLES}{kind}": wandb.Table(columns=["step", *columns], data=data)}, step=step)
 
     def close(self, plot: bool = True) -> None:
         if not self.enabled:
@@ -103,22 +112,18 @@ class RunLogger:
         if self.samples_file is not None:
             self.samples_file.close()
         if plot:
-            plot_curve(os.path.join(self.run_dir, "metrics.jsonl"), os.path.join(self.run_dir, "curve.png"))
+            plot_curve(os.path.join(self.run_dir, "metrics.jsonl"), os.path.join(self.run_dir, "curve.png"), self.extra)
         if self.wandb is not None:
             self.wandb.finish()
 
 
 def _plain(v):
     """A JSON value: tensors and numpy scalars as Python numbers or lists; NaN and +-inf as null (JSON has none)."""
-    if isinstance(v, torch.Tensor):
-        v = v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, (np.floating, np.integer, np.bool_)):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
+    v = (v.item() if v.numel() == 1 else v.tolist()) if isinstance(v, torch.Tensor) else v
+    v = v.item() if isinstance(v, (np.floating, np.integer, np.bool_)) else v
     if isinstance(v, list):
         return [_plain(x) for x in v]
-    return v
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1, **fields) -> list[dict]:
@@ -140,11 +145,10 @@ def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1
     [('3<|im_end|>', False, '3', 1.0), ('4', True, '3', 0.0)]
     """
     out = []
-    for b in range(0, len(problems), group_size)[:k]:
+    for b, problem in list(enumerate(problems))[::group_size][:k]:  # the first row of each of the first k groups
         L = rollouts.prompt_len
         prompt_L = rollouts.input_ids_BT[b, :L][rollouts.attention_mask_BT[b, :L] > 0]
         completion = rollouts.completion_ids_BC[b, : int(rollouts.lengths_B[b])]
-        problem = problems[b]
         out.append({"question": getattr(problem, "question", None),
                     "prompt_tail": tokenizer.decode(prompt_L, skip_special_tokens=False)[-PROMPT_TAIL_CHARS:],
                     "completion": tokenizer.decode(completion, skip_special_tokens=False),
@@ -195,23 +199,29 @@ def read_metrics(path: str, where: str = "") -> list[dict]:
     return rows
 
 
-def plot_curve(metrics_path: str, out_path: str) -> None:
-    """Reward (train) and greedy accuracy (held-out) against step."""
+def plot_curve(metrics_path: str, out_path: str, extra: tuple[str, ...] = ()) -> None:
+    """Reward (train) and greedy accuracy (held-out) against step; below them, with `extra` (metric key prefixes),
+    every metric under those prefixes. The PNG's Description names the curves drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, style in (("reward/mean", "-"), ("eval/greedy_accuracy", "o-"), ("eval/pass_at_k", "s--")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+    fig, axes = plt.subplots(2 if extra else 1, 1, figsize=(6, 6 if extra else 3.5), sharex=True, squeeze=False)
+    curves = [(0, k, s) for k, s in (("reward/mean", "-"), ("eval/greedy_accuracy", "o-"), ("eval/pass_at_k", "s--"))]
+    curves += [(1, k, "-") for k in dict.fromkeys(k for r in rows for k in r if extra and k.startswith(extra))]
+    for panel, key, style in curves:
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if pts:
-            ax.plot(*zip(*pts), style, label=key, markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+            axes[panel, 0].plot(*zip(*pts), style, label=key, markersize=3)
+    axes[0, 0].set_ylim(min(axes[0, 0].get_ylim()[0], -0.02), max(axes[0, 0].get_ylim()[1], 1.02))  # 0 to 1 at least
+    axes[-1, 0].set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
+    drawn = [line.get_label() for ax in axes[:, 0] for line in ax.lines]
+    fig.savefig(out_path, dpi=100, metadata={"Description": "curves: " + ", ".join(drawn)})
     plt.close(fig)

@@ -159,6 +159,6 @@ def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir
     logger.close()
     if rank == 0:
         before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
-        print(f"{what}: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points); "
-              f"run folder {run_dir}")
+        print(f"{what}: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points, "
+              f"n={final_eval.get('eval/num_problems', '?')}); run folder {run_dir}")
     return final_eval

@@ -108,16 +108,18 @@ def test_a_separate_eval_file_is_read_whole_and_the_same_file_is_split(tmp_path)
     assert len(train) == 18 and [p.answer for p in held_out] == ["0", "20"]
 
 
-def test_a_run_on_a_local_file_evaluates_on_its_held_out_records(tmp_path, tiny_model_dir):
+def test_a_run_on_a_local_file_evaluates_on_its_held_out_records(tmp_path, tiny_model_dir, capsys):
     f = _twenty(tmp_path)
     out = grpo.main(tyro.cli(grpo.Args, args=[
         "--model-name", tiny_model_dir, "--dataset", f, "--total-steps", "1", "--num-prompts", "4", "--group-size",
         "2", "--max-new-tokens", "4", "--eval-samples", "0", "--output-dir", str(tmp_path / "runs"), "--run-name", "r"]))
+    assert out["before"]["eval/num_problems"] == out["after"]["eval/num_problems"] == 2
     with open(os.path.join(out["run_dir"], "samples.jsonl")) as fh:
         samples = [json.loads(line) for line in fh]
     held_out = {"What is 0 + 0?", "What is 10 + 10?"}
     assert {s["question"] for s in samples if s["kind"] == "eval"} == held_out
     assert {s["question"] for s in samples if s["kind"] == "train"}.isdisjoint(held_out)
+    assert "points, n=2); run folder" in capsys.readouterr().out
 
 
 def test_a_testbed_model_on_other_data_warns_early(tmp_path, capsys):

@@ -1,10 +1,14 @@
 """ppo_slm.py: the three stages, the freeze check, the logits guard and each safety layer under injected faults."""
 
+import contextlib
+import io
+import logging
 import os
 
 import pytest
 import torch
 import tyro
+from PIL import Image
 from safetensors.torch import load_file
 
 import ppo_slm
@@ -22,9 +26,18 @@ def _args(tmp_path, model_dir, *extra) -> ppo_slm.Args:
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory, tiny_model_dir):
-    """SFT adapter and reward model trained once (a full pipeline run), reused by path afterwards."""
+    """SFT adapter and reward model trained once (a full pipeline run), reused by path afterwards; out["console"]: what
+    it printed, out["hf_warnings"]: the warnings transformers logged."""
     tmp = tmp_path_factory.mktemp("stages")
-    out = ppo_slm.main(_args(tmp, tiny_model_dir, "--run-name", "full"))
+    warnings, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as console:
+            out = ppo_slm.main(_args(tmp, tiny_model_dir, "--run-name", "full"))
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    out.update(console=console.getvalue(), hf_warnings=warnings)
     return tiny_model_dir, ["--sft-adapter", out["sft_adapter"], "--reward-model", out["reward_model"]], out
 
 
@@ -76,6 +89,18 @@ def test_full_pipeline_runs_and_reports(stages):
         assert key in out["after"], key
     assert os.path.exists(os.path.join(out["run_dir"], "ppo_adapter", "value_head.pt"))
     assert_samples(out["run_dir"], ("rm_score", "reward", "correct"), ("rm_score", "correct"), steps=[3])
+
+
+def test_the_run_explains_its_score_head_plots_and_ends_on_the_training_samples_rm_score(stages):
+    _, _, out = stages
+    assert "reward model: the SFT model with a new score head" in out["console"]
+    assert not [w for w in out["hf_warnings"] if "MISSING" in w], out["hf_warnings"]  # no unexplained load report
+    drawn = Image.open(os.path.join(out["run_dir"], "curve.png")).text["Description"]
+    assert "reward/mean" in drawn and "rm/score_mean" in drawn, drawn
+    scores = [r["rm/score_mean"] for r in _steps(out).values()]  # 3 steps: the first and the last one
+    last = out["console"].strip().splitlines()[-1]
+    assert last.startswith(f"training samples' RM score {scores[0]:.3f} -> {scores[-1]:.3f} (means of the first and "
+                           "last 1 steps); held out (n=16): win rate over SFT (RM) "), last
 
 
 @pytest.fixture(scope="module")
