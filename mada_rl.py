@@ -43,13 +43,14 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
 from common.args import TrainArgs, check_at_least, check_run_args, fail
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
-from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, gather_shares, init_distributed,
-                         is_sharded, rank_world, shard_models)
+from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, is_sharded, rank_world,
+                         shard_models)
 from common.logger import RunLogger, sample_rows
 from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
                            load_tokenizer, use_adapter)
@@ -286,6 +287,24 @@ def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
 
 # Deployment: the multi-round debate
 @torch.no_grad()
+def gather_shares(share: list) -> list:
+    """Every rank passes its share items[rank::world] of one list and gets the whole list back, in its original order
+    (all_gather_object: the items are pickled). The share itself on one process.
+
+    >>> gather_shares(["a", "b"])
+    ['a', 'b']
+    """
+    world = rank_world()[1]
+    if world == 1:
+        return share
+    shares = [None] * world
+    dist.all_gather_object(shares, share)
+    out = [None] * sum(len(s) for s in shares)
+    for r, s in enumerate(shares):
+        out[r::world] = s
+    return out
+
+
 def debate(model, engine, tokenizer, problems: list, generators: list[str], critics: list[str], rounds: int,
            max_new_tokens: int, max_prompt_tokens: int = 0, critic_sees: str = "responses",
            proposal_tokens: int = 0) -> tuple[list[list[list[str]]], list[list[list[bool]]]]:

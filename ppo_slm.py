@@ -44,11 +44,11 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
 
 from common.args import ExperimentArgs, check_sampling_args
-from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, broadcast_trainable, init_distributed,
-                         local_part, shard_models)
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, local_part, shard_models
 from common.logger import RunLogger, read_metrics, sample_rows
 from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
@@ -316,6 +316,14 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
         raise SystemExit(f"error: silent LoRA freeze: {len(lm_params)} trainable LM tensors did not change in "
                          "the first PPO update (check the learning rate and that the LoRA receives gradients)")
     return moved
+
+
+def broadcast_trainable(model) -> None:
+    """Give every rank rank 0's values of the trainable parameters (the fresh LoRA and value head draw different values
+    from each rank's seed); call before `shard_models`. Nothing to do on one process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for p in (p for p in model.parameters() if p.requires_grad):
+            dist.broadcast(p.data, src=0)
 
 
 def main(args: Args) -> dict:

@@ -1,4 +1,9 @@
-"""Checkpoints and exact resume."""
+"""Checkpoints and exact resume. One checkpoint folder per run, written by rank 0: the model (save_pretrained),
+tokenizer, trainer_state.pt (step, world size, optimizer, scheduler and whatever the trainer adds) and rank{r}_state.pt
+for every rank r (its Python/NumPy/torch RNG states and prompt sampler), so that under torchrun each rank continues its
+own random stream and data order. Under --fsdp (FSDP2) every rank also writes its model and AdamW shards to
+checkpoint/sharded through torch.distributed.checkpoint (what resume reads); model.safetensors is the consolidated
+export."""
 
 from __future__ import annotations
 
@@ -14,24 +19,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from common.args import fail
-from common.dist import is_sharded
+from common.dist import is_sharded, rank_world
 from common.logger import read_metrics
 from common.models import load_model
 
-# One checkpoint folder per run, written by rank 0: the model (save_pretrained), tokenizer, trainer_state.pt
-# (step, world size, optimizer, scheduler and whatever the trainer adds) and rank{r}_state.pt for every rank r
-# (that rank's Python/NumPy/torch RNG states and its prompt sampler), so that under torchrun each rank continues
-# its own random stream and data order.
-# Under --fsdp (FSDP2) every rank also writes its model and AdamW shards to checkpoint/sharded through
-# torch.distributed.checkpoint (what resume reads), and model.safetensors is the consolidated export.
-
 KILL_AFTER_SAVE = "TINYPOST_TEST_KILL_AFTER_SAVE"
 """tests: SIGKILL the process right after the checkpoint of this step is written (a deterministic crash point)"""
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
@@ -44,14 +37,14 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, sampler,
                     extra: dict | None = None, rank_extra: dict | None = None) -> str | None:
-    """Called by every rank. Rank 0 writes run_dir/checkpoint atomically (a crash mid-write leaves the previous
-    one intact), with each rank's RNG states, sampler and `rank_extra` (a trainer's per-rank state, e.g. adakp's
-    knowledge-point selections) gathered into rank{r}_state.pt; `extra` (the same on every rank) goes to
-    trainer_state.pt. `resume` returns both."""
-    own = {"rng": rng_state(), "sampler": sampler.state_dict(), **(rank_extra or {})}
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """Called by every rank. Rank 0 writes run_dir/checkpoint atomically (a crash mid-write leaves the previous one),
+    with each rank's RNG states, sampler and `rank_extra` (a trainer's per-rank state, e.g. adakp's knowledge points)
+    gathered into rank{r}_state.pt; `extra` (the same on every rank) to trainer_state.pt. `resume` returns both."""
+    own = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+           "sampler": sampler.state_dict(), **(rank_extra or {})}
+    (rank, world), sharded = rank_world(), is_sharded(model)
     owns = [own] if world == 1 else [None] * world
-    sharded, rank = is_sharded(model), dist.get_rank() if world > 1 else 0
     if world > 1:
         dist.gather_object(own, owns if rank == 0 else None, dst=0)
         if rank != 0 and not sharded:
@@ -90,13 +83,11 @@ SHARDED = "sharded"
 
 def save_sharded(path: str, model, optimizer) -> None:
     """Called by every rank of an FSDP2 model: model and optimizer shards through torch.distributed.checkpoint into
-    path/sharded (each rank writes its own), then the full weights gathered to rank 0's CPU and written with
-    save_pretrained into path, so that the folder loads with from_pretrained."""
+    path/sharded (each rank its own), then the full weights gathered to rank 0's CPU and saved (from_pretrained)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(path, SHARDED))
+    dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=f"{path}/{SHARDED}")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         model.save_pretrained(path, state_dict=full)
@@ -110,19 +101,15 @@ def load_sharded(path: str, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
     dcp.load(state, checkpoint_id=os.path.join(path, SHARDED))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def find_checkpoint(run_dir: str) -> str | None:
     """The checkpoint folder of a run, or the previous one if a save was interrupted mid-swap."""
-    for name in ("checkpoint", "checkpoint.old"):
-        path = os.path.join(run_dir, name)
-        if os.path.exists(os.path.join(path, "trainer_state.pt")):
-            return path
-    return None
+    paths = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old"))
+    return next((p for p in paths if os.path.exists(os.path.join(p, "trainer_state.pt"))), None)
 
 
 def _first_line(e: Exception) -> str:
@@ -140,9 +127,9 @@ def _load(path: str, where: str) -> dict:
 
 
 def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
-    """Read and check a --resume folder before any work: one-line errors for a missing folder, no checkpoint,
-    a truncated or corrupt trainer_state.pt, missing weights or shards, or a corrupt metrics.jsonl. None without
-    --resume. With a world size other than the saved one, rank r reads saved rank r % saved_world's state (`resume`)."""
+    """Read and check a --resume folder before any work: one-line errors for a missing folder, no checkpoint, a corrupt
+    trainer_state.pt, missing weights or shards, a corrupt metrics.jsonl. None without --resume. With another world
+    size than the saved one, rank r reads saved rank r % saved_world's state (`resume`)."""
     if not resume:
         return None
     run_dir, where = resume.rstrip("/"), f"--resume {resume}"
@@ -196,13 +183,11 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
         sampler.load_state_dict(own["sampler"])
     except Exception as e:
         fail(f"{where}: {ckpt['path']} does not fit this run ({_first_line(e)})")
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    note = ""
+    world, note = rank_world()[1], ""
     if own["saved_world"] == world:
         set_rng_state(own["rng"])
-    else:  # rank r took saved rank r % saved_world's sampler position (a prompt order is drawn from the sampler's own
-        # seed, seed + rank); the random streams are new, seeded from this rank's seed and the step, so that no two
-        # ranks repeat each other (not bit for bit what an uninterrupted run would do)
+    else:  # rank r took saved rank r % saved_world's sampler position (its prompt order drawn from its own seed, seed +
+        # rank); new random streams from this rank's seed and the step: no two ranks repeat each other (not bit for bit)
         seed = torch.initial_seed() * 1_000_003 + state["step"]
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -220,8 +205,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
 def truncate_metrics(run_dir: str, last_step: int) -> None:
     """Drop metric and sample rows logged after the checkpoint we resume from (they will be logged again); each file
     is replaced atomically, so a crash here loses nothing."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        path = os.path.join(run_dir, name)
+    for path in (os.path.join(run_dir, name) for name in ("metrics.jsonl", "samples.jsonl")):
         if os.path.exists(path):
             rows = [r for r in read_metrics(path) if r["step"] <= last_step]
             with open(path + ".tmp", "w") as f:

@@ -1,18 +1,16 @@
-"""Data parallelism under `torchrun`, written out: every rank samples its own prompts, and
-gradients and loss normalisers are summed across ranks (no DDP wrapper).
+"""Data parallelism under `torchrun`, written out: every rank samples its own prompts, and gradients and loss
+normalisers are summed across ranks (no DDP wrapper).
 
 Two ways to hold the model:
-- plain (default): every rank keeps the whole model and optimizer; after backward,
-  `all_reduce_grads` sums the gradients in buckets of at most 25 MB.
-- `--fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every decoder layer (and on
-  untied input and output embeddings) and on the root, so each rank keeps 1/world of the
-  parameters, gradients and AdamW state; a layer's parameters are all-gathered just before its
-  forward and its gradients reduce-scattered (summed, not averaged) right after its backward.
-  `shard_models` wraps the policy and the reference/teacher models the same way;
-  `clip_grad_norm_` on the sharded parameters computes the global norm. Generation under FSDP
-  runs inside `unsharded(model)` (every layer gathered once, no collective per decoding step,
-  so ranks may stop at different lengths), and a separate sampler gets full tensors one
-  parameter at a time (`full_weights`).
+- plain (default): every rank keeps the whole model and optimizer; after backward, `all_reduce_grads` sums the
+  gradients in buckets of at most 25 MB.
+- `--fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every decoder layer (and on untied input and output
+  embeddings) and on the root, so each rank keeps 1/world of the parameters, gradients and AdamW state; a layer's
+  parameters are all-gathered just before its forward and its gradients reduce-scattered (summed, not averaged) right
+  after its backward. `shard_models` wraps the policy and the reference/teacher models the same way; `clip_grad_norm_`
+  on the sharded parameters computes the global norm. Generation under FSDP runs inside `unsharded(model)` (every
+  layer gathered once, no collective per decoding step, so ranks may stop at different lengths), and a separate
+  sampler gets full tensors one parameter at a time (`full_weights`).
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ BUCKET_BYTES = 25 * 2**20
 
 
 def init_distributed(device: str, timeout_minutes: float = 180.0) -> tuple[int, int, str]:
-    """(rank, world_size, device). Single process when not launched by torchrun. `timeout_minutes`: how long a rank
-    waits in a collective for the others (NCCL's default is 10 minutes, shorter than ppo_slm.py's SFT and reward
-    model stages, which rank 0 trains while the others wait)."""
+    """(rank, world_size, device); a single process when not launched by torchrun. `timeout_minutes`: how long a rank
+    waits in a collective for the others (NCCL's 10 are shorter than ppo_slm.py's SFT and RM stages on rank 0 alone)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, device
@@ -43,16 +40,10 @@ def init_distributed(device: str, timeout_minutes: float = 180.0) -> tuple[int, 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
-        atexit.register(_close_process_group)
+        # released at exit, with no barrier (a rank that ends early, or fails, never waits); left to the interpreter's
+        # teardown, gloo's threads were sometimes destroyed running (SIGABRT, failing the torchrun job)
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return rank, world, device
-
-
-def _close_process_group() -> None:
-    """Release this rank's process group when it exits (no barrier: a rank that ends early, or fails, never waits).
-    Left to the interpreter's teardown, gloo's threads were sometimes destroyed while running: the rank aborted
-    ("terminate called without an active exception", SIGABRT) after its work was done, failing the torchrun job."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _all_reduce_(x: torch.Tensor) -> None:
@@ -78,16 +69,15 @@ def _reduce_bucket(grads: list[torch.Tensor]) -> None:
         return
     flat = torch.cat([g.flatten() for g in grads])
     _all_reduce_(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def all_reduce_grads(model, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum gradients over ranks; the loss was already divided by the global normaliser. Gradients go in buckets of
     at most `bucket_bytes` (one of the same dtype, in parameter order), so the extra memory is one bucket, not a
-    copy of every gradient; only trainable parameters' (a LoRA trainer's other adapters are frozen). Nothing to do under FSDP: its backward already reduce-scattered the summed gradients."""
+    copy of every gradient; only trainable parameters' (a LoRA trainer's other adapters are frozen). Nothing to do
+    under FSDP: its backward already reduce-scattered the summed gradients."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or is_sharded(model):
         return
     bucket, size = [], 0
@@ -119,14 +109,11 @@ def all_reduce_mean(metrics: dict) -> dict:
     if not (dist.is_available() and dist.is_initialized()):
         return metrics
     keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    _all_reduce_(t)
+    t = all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
     return {**metrics, **{k: (t[i] / dist.get_world_size()).item() for i, k in enumerate(keys)}}
 
 
-# ----------------------------------------------------------------------------------------
 # FSDP2
-# ----------------------------------------------------------------------------------------
 
 
 def is_sharded(model) -> bool:
@@ -139,9 +126,7 @@ def is_sharded(model) -> bool:
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The modules to shard one by one: those whose class the model names in `_no_split_modules` (the decoder
     layers of a Hugging Face model, e.g. Qwen2DecoderLayer)."""
-    names = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or ())
+    names = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()}
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
@@ -165,9 +150,7 @@ def shard_models(args, *models):
     low = getattr(args, "dtype", "float32") != "float32" and getattr(args, "master_weights", False)
     mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32) if low
           else MixedPrecisionPolicy())
-    for model in models:
-        if model is None:
-            continue
+    for model in (m for m in models if m is not None):
         units = decoder_layers(model)
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         if head is not None and embed is not None and head.weight is not embed.weight:  # untied: units of their own
@@ -175,10 +158,9 @@ def shard_models(args, *models):
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # final norm, tied embeddings
-        for m in model.modules():  # these two setters are per module, not recursive
-            if is_sharded(m):
-                m.set_gradient_divide_factor(1.0)  # sum over ranks, as all_reduce_grads does ...
-                m.set_force_sum_reduction_for_comms(True)  # ... with ReduceOp.SUM (gloo has no PREMUL_SUM)
+        for m in (m for m in model.modules() if is_sharded(m)):  # these two setters are per module, not recursive
+            m.set_gradient_divide_factor(1.0)  # sum over ranks, as all_reduce_grads does ...
+            m.set_force_sum_reduction_for_comms(True)  # ... with ReduceOp.SUM (gloo has no PREMUL_SUM)
     return models
 
 
@@ -187,12 +169,7 @@ def unsharded(model):
     """Gather every FSDP-sharded layer of `model` once and keep it gathered inside the block (generation: no
     collective per forward, so ranks may run different numbers of decoding steps); reshard on exit. The full
     parameters cost one model's memory per rank meanwhile. Does nothing for a plain model."""
-    from torch.distributed.fsdp import FSDPModule
-
-    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not mods:
-        yield model
-        return
+    mods = [m for m in model.modules() if is_sharded(m)]
     for m in mods:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
@@ -208,20 +185,14 @@ def full_weights(model):
     """(name, full tensor) for every entry of the state dict, one at a time: a sharded (DTensor) entry is
     all-gathered on its own just before it is yielded, so no rank ever holds a whole gathered state dict. Every rank
     must iterate to the end (each gather is a collective)."""
-    from torch.distributed.tensor import DTensor
-
     for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
 def agree(flag: bool, model) -> bool:
     """True only if `flag` holds on every rank, when `model` is sharded (its forwards are collectives, so every rank
     must take the same branch); `flag` itself otherwise."""
-    if not is_sharded(model) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([0.0 if flag else 1.0])
-    all_reduce_sum(t)
-    return t.item() == 0.0
+    return not max_over_ranks(int(not flag), model)
 
 
 def max_over_ranks(n: int, model) -> int:
@@ -236,41 +207,9 @@ def max_over_ranks(n: int, model) -> int:
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of an FSDP2 (DTensor) parameter, a plain tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def broadcast_trainable(model) -> None:
-    """Give every rank rank 0's values of the trainable parameters (a freshly initialised adapter or head draws
-    different values from each rank's seed); call before `shard_models`. Nothing to do on one process."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            dist.broadcast(p.data, src=0)
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of this process; (0, 1) when no process group is initialized."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def gather_shares(share: list) -> list:
-    """Every rank passes its share items[rank::world] of one list and gets the whole list back, in its original order
-    (all_gather_object: the items are pickled). The share itself on one process.
-
-    >>> gather_shares(["a", "b"])
-    ['a', 'b']
-    """
-    world = rank_world()[1]
-    if world == 1:
-        return share
-    shares = [None] * world
-    dist.all_gather_object(shares, share)
-    out = [None] * sum(len(s) for s in shares)
-    for r, s in enumerate(shares):
-        out[r::world] = s
-    return out
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)

@@ -22,8 +22,7 @@ from common.logger import SAMPLES
 
 def start_run(args, rank: int) -> str:
     """Seed python, numpy and torch with seed + rank; return the run folder: the --resume folder, or
-    output_dir/{run_name or exp_name__seed__unix time}, the time rank 0's under torchrun so that every rank names
-    the same folder."""
+    output_dir/{run_name or exp_name__seed__unix time}, with rank 0's time under torchrun (one folder for all)."""
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -46,9 +45,8 @@ def load_train_eval(args) -> tuple[list, list]:
 
 
 def resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device: str) -> dict:
-    """{'step': 0} for a fresh run. With a checkpoint opened by open_checkpoint: the weights, optimizer, scheduler,
-    this rank's sampler position and RNG states are restored, the engine gets the weights, and the checkpoint's
-    trainer state (step, first_eval and what the trainer saved beside them) is returned."""
+    """{'step': 0} for a fresh run. With a checkpoint opened by open_checkpoint: the weights, optimizer, scheduler, this
+    rank's sampler and RNG states restored, the engine given the weights; returns the checkpoint's trainer state."""
     if not ckpt:
         return {"step": 0}
     stored = str(next(model.parameters()).dtype).removeprefix("torch.")  # float32 master weights under --dtype bf16
@@ -83,10 +81,9 @@ def sample_step(args, step: int) -> bool:
 
 def minibatch_order(args) -> torch.Tensor:
     """The batch's rows in the order an epoch's mini-batches take them (`order.split(args.minibatch_size)`): in order
-    for one mini-batch, else shuffled; with --share-prompt a whole group at a time, its rows adjacent and in order,
-    so that the update shares each group's prompt as the old log-probs' pass did (`common.rollout.completion_logits`).
-    Rows shuffled one by one would take the plain forward there, which rounds differently: at equal weights the
-    ratio would not be 1 (issue 36).
+    for one mini-batch, else shuffled; with --share-prompt a whole group at a time, its rows adjacent and in order, so
+    that the update shares each group's prompt as the old log-probs' pass did (`common.rollout.completion_logits`);
+    rows shuffled one by one would take the plain forward, which rounds differently (ratio not 1, issue 36).
 
     >>> from types import SimpleNamespace
     >>> order = minibatch_order(SimpleNamespace(batch_size=6, group_size=2, num_minibatches=3, share_prompt=True))
@@ -122,8 +119,8 @@ def peak_mem_gb(device: str) -> float:
 def rollout_perf_metrics(rollouts, times: dict, train_passes: int, device: str, gen_tokens: float | None = None,
                          train_rollouts=None) -> dict:
     """Completion length and truncation of the sampled `rollouts`, time/<phase> for each timed phase, generation
-    throughput (gen_tokens: default, the rollouts' completion tokens) and training throughput (train_passes passes,
-    e.g. PPO epochs, over train_rollouts, by default the rollouts themselves), and peak memory."""
+    throughput (gen_tokens: default, the rollouts' completion tokens), training throughput (train_passes passes, e.g.
+    PPO epochs, over train_rollouts, default the rollouts), and peak memory."""
     gen_tokens = rollouts.lengths_B.sum().item() if gen_tokens is None else gen_tokens
     train_rollouts = rollouts if train_rollouts is None else train_rollouts
     return {"rollout/completion_len": rollouts.lengths_B.float().mean().item(),
@@ -151,8 +148,7 @@ def without_samples(metrics: dict) -> dict:
 
 def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir: str,
                what: str = "held-out greedy accuracy") -> dict:
-    """The final evaluation, logged at `step`; the logger closed (curve.png); rank 0 prints greedy accuracy
-    before -> after. Returns the final evaluation."""
+    """The final evaluation (returned), logged at `step`; the logger closed (curve.png); rank 0 prints before, after."""
     final_eval = run_eval()
     logger.log(step, final_eval)
     final_eval = without_samples(final_eval)
