@@ -53,7 +53,7 @@ from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
                             split_completions)
-from common.run import (finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.verifiers import format_reward, score
 from grounds import path_of
@@ -382,6 +382,7 @@ def main(args: Args) -> dict:
         raise SystemExit("error: --tis weighs the sampler's own context; with --correction the rows are trained on "
                          "another prompt, so use one of them")
     run_dir = start_run(args, rank)
+    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
     model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
     tokenizer = load_tokenizer(model_path, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
@@ -448,7 +449,7 @@ def main(args: Args) -> dict:
     first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
-    for step in bar:
+    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
         t_step, times = time.time(), {}
         # ALGO LOGIC: 0. (re)select S for sampled problems whose selection is missing or older than R steps
         idx = sampler.next(args.num_prompts)
@@ -504,6 +505,8 @@ def main(args: Args) -> dict:
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
         adv_B = adv_PG.flatten()
+        # every advantage 0 on every rank and no KL term: the update would do nothing, so there is none (update/skipped)
+        skip = args.beta <= 0 and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
@@ -512,8 +515,8 @@ def main(args: Args) -> dict:
         # own forward gives the trainer's log-probs that a separate sampler (vllm) is compared with (no extra pass).
         # --correction: the weight w = clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on rows shown KPs (1 elsewhere)
         with timed(times, "logprobs"):
-            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
-            weigh = args.correction != "none"
+            needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
+            weigh = not skip and args.correction != "none"  # the context-shift weights (none for a skipped update)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature,
                                             args.micro_batch_size, args.share_prompt)
@@ -535,8 +538,8 @@ def main(args: Args) -> dict:
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
-            sums, grad_norms = {}, []
-            for _ in range(args.num_iterations):
+            sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
+            for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
                 order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
@@ -574,7 +577,7 @@ def main(args: Args) -> dict:
             "kp/faded": float(faded), "kp/grown": float(grown),
             "kp/zero_correct_frac": (pass_P == 0).float().mean().item(),
         }
-        if weigh:  # over the tokens of rows shown KPs
+        if args.correction != "none":  # over the tokens of rows shown KPs (a skipped update's: all 1, none computed)
             metrics.update(weight_metrics(w_BC[hinted_B][mask_BC[hinted_B] > 0], args.is_clip_min))
         metrics = all_reduce_mean(metrics)
         if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl), with the KPs shown
@@ -586,7 +589,8 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
+        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval},
                             rank_extra={"kp": kp, "probe_cache": probe_cache})  # each rank's own problems' state
 

@@ -87,8 +87,8 @@ from common.evaluate import evaluate, evaluator
 from common.logger import RunLogger, sample_rows
 from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
-from common.run import (finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics, sample_step,
-                        start_run, step_bar, timed, update_metrics)
+from common.run import (RunControl, finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics,
+                        sample_step, start_run, step_bar, timed, update_metrics)
 from common.verifiers import score
 from grounds import path_of
 from grounds.testbed_models import ensure_testbed_teacher_pair
@@ -380,6 +380,7 @@ def main(args: Args) -> dict:
     check_same_vocab(vocab_check)
     teacher_post = path_of(args.teacher_post) if args.teacher_post else default_teacher_post(args.teacher_pre)
     run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
+    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
     train_problems, eval_problems = load_train_eval(args)
     model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model)
@@ -410,7 +411,7 @@ def main(args: Args) -> dict:
     bar = step_bar(args, state["step"], rank)
     metrics = {}
     vocab = len(tokenizer)
-    for step in bar:
+    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
         t_step, times = time.time(), {}
         # 1. Rollouts: group_size completions for each of num_prompts prompts, from the student
         problems = sampler.next(args.num_prompts)
@@ -509,7 +510,8 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
+        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
                             {"first_eval": first_eval, "kl_coef": kl_coef})
 

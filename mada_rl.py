@@ -55,8 +55,8 @@ from common.logger import RunLogger, sample_rows
 from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
                            load_tokenizer, use_adapter)
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (load_train_eval, minibatch_order, rollout_perf_metrics, sample_step, start_run, timed,
-                        update_metrics, without_samples)
+from common.run import (RunControl, load_train_eval, minibatch_order, rollout_perf_metrics, sample_step, start_run,
+                        timed, update_metrics, without_samples)
 from common.testbed import render_testbed_prompt
 from common.verifiers import extract_answer, score
 from grounds import path_of
@@ -386,9 +386,10 @@ def debate_metrics(answers: list[list[list[str]]], problems: list, num_generator
 
 
 def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, logger, step0: int,
-                stage: int, agent: int, run_eval=None) -> int:
+                stage: int, agent: int, run_eval=None, control=None) -> int:
     """GRPO (stage 1) or the critic policy gradient (stage 3) on one adapter; returns the last global step.
-    records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3); run_eval: for --eval-every."""
+    records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3); run_eval: for --eval-every; control:
+    main()'s RunControl, for its warning when the steps have no learning signal."""
     rank, world = rank_world()
     use_adapter(model, name)
     params = list(adapter_params(model, name).values())  # under --fsdp: this rank's shards
@@ -425,11 +426,13 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         if stage == 3 and args.counterfactual:
             adv_PG = counterfactual_advantages(rewards_PG, acc_g_P, args.acc_weight)
         adv_B = adv_PG.flatten()
+        # every advantage 0 on every rank (the loss has no other term): the update would do nothing, so there is none
+        skip = all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
         mask_BC = rollouts.completion_mask_BC.clone()
 
         # 4. old log-probs (no grad) only when the ratio can differ from 1
         with timed(times, "logprobs"):
-            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
@@ -439,8 +442,8 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
 
         # 5. Update of the active adapter only: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
-            sums, grad_norms = {}, []
-            for _ in range(args.num_iterations):
+            sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
+            for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
                 order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
@@ -483,6 +486,8 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             use_adapter(model, name)  # the debate switched adapters
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
+        if control is not None:
+            control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
     return step0 + steps
 
 
@@ -542,6 +547,8 @@ def main(args: Args) -> dict:
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
     args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
     run_dir = start_run(args, rank)  # seeds python, numpy and torch; the run folder
+    control = RunControl(args, run_dir, rank, no_resume="mada_rl.py writes no checkpoints (its stages are short): "
+                         "nothing is kept; rerun the script")  # Ctrl-C: one line, no traceback, at once
     train_problems, eval_problems = load_train_eval(args)
     if len(eval_problems) < world:  # the debate and Stage 2 give every rank a share of at least one problem
         fail(f"--num-eval-problems {args.num_eval_problems}: {len(eval_problems)} held-out problems for {world} ranks")
@@ -591,7 +598,7 @@ def main(args: Args) -> dict:
     # Stage 1: generators, each on its own split
     step = 0
     for n, name in enumerate(generators):
-        step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, 1, n, run_eval)
+        step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, 1, n, run_eval, control)
     mid_eval = run_eval()  # trained generators, untrained critics
     logger.log(step, mid_eval)
     mid_eval = without_samples(mid_eval)
@@ -605,7 +612,7 @@ def main(args: Args) -> dict:
         stage2[f"mada/critic_data/{name}/acc_g_mean"] = float(acc.mean())
         stage2.update({f"mada/critic_data/{name}/frac_acc_g_{k}of{N}": float((np.round(acc * N) == k).mean())
                        for k in range(N + 1)})
-        step = train_agent(model, engine, tokenizer, name, records, args, logger, step, 3, m, run_eval)
+        step = train_agent(model, engine, tokenizer, name, records, args, logger, step, 3, m, run_eval, control)
     final_eval = run_eval()
     final_eval["mada/train_time_s"] = time.time() - t_start
     logger.log(step, {**final_eval, **stage2})

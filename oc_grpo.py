@@ -68,7 +68,7 @@ from common.evaluate import evaluator
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
-from common.run import (finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.testbed import render_testbed_prompt
 from common.verifiers import format_reward, score
@@ -398,6 +398,7 @@ def main(args: Args) -> dict:
     if not 0 < args.is_clip_min <= 1:
         raise SystemExit(f"error: --is-clip-min {args.is_clip_min} must be in (0, 1]")
     run_dir = start_run(args, rank)
+    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
     model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
     tokenizer = load_tokenizer(model_path, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
@@ -431,7 +432,7 @@ def main(args: Args) -> dict:
     first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
-    for step in bar:
+    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
         t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts (fixed guidance: guided rows sample from x~)
         G = args.group_size
@@ -487,6 +488,8 @@ def main(args: Args) -> dict:
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
         adv_B = adv_PG.flatten()
+        # every advantage 0 on every rank and no KL term: the update would do nothing, so there is none (update/skipped)
+        skip = args.beta <= 0 and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
@@ -495,9 +498,9 @@ def main(args: Args) -> dict:
         # context-shift weight w (1 on unguided rows); with one epoch and one mini-batch, rho = 1 exactly, and the
         # update's own forward gives the trainer's log-probs that a separate sampler (vllm) is compared with
         with timed(times, "logprobs"):
-            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             guided_rows = guided_B.nonzero().flatten()
-            shifted = not hinted and max_over_ranks(len(guided_rows), model) > 0  # rows trained off their prompt
+            shifted = not skip and not hinted and max_over_ranks(len(guided_rows), model) > 0  # trained off the prompt
             hint_pass = shifted and (args.correction != "none" or sampler_logp_BC is not None)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
@@ -521,8 +524,8 @@ def main(args: Args) -> dict:
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
-            sums, grad_norms = {}, []
-            for _ in range(args.num_iterations):
+            sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
+            for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
                 order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
@@ -571,7 +574,8 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
+        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
 
     final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)

@@ -52,7 +52,8 @@ from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_
 from common.logger import RunLogger, read_metrics, sample_rows
 from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
-from common.run import rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics, without_samples
+from common.run import (RunControl, rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics,
+                        without_samples)
 from common.verifiers import score
 from grounds import path_of
 from ppo_slm_stages import build_pairs, pair_accuracy, supervised_stages
@@ -335,6 +336,9 @@ def main(args: Args) -> dict:
                          f"{args.minibatch_size}")
     args.num_minibatches = args.num_prompts // args.minibatch_size
     run_dir = start_run(args, rank)
+    control = RunControl(args, run_dir, rank, no_resume=(  # kept while main() runs: Ctrl-C quits at once, one line
+        f"ppo_slm.py has no resume; a finished stage is in {run_dir} (sft_adapter/, reward_model/): rerun with "
+        "--sft-adapter or --reward-model pointing at it to skip it"))
     from peft import PeftModel
     os.makedirs(run_dir, exist_ok=True)
     base = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged

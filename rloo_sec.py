@@ -67,7 +67,7 @@ from common.evaluate import evaluator
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.verifiers import format_reward, score
 from grounds import path_of
@@ -347,6 +347,7 @@ def main(args: Args) -> dict:
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)
+    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
     model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
     tokenizer = load_tokenizer(model_path, args.system_prompt)
     train_problems, eval_problems = load_train_eval(args)
@@ -369,7 +370,7 @@ def main(args: Args) -> dict:
     first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
-    for step in bar:
+    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
         t_step, times = time.time(), {}
         # ALGO LOGIC: 1. SEC batch: an arm per prompt slot from softmax(Q / tau), a problem uniformly from it
         probs = arm_probs(sampler.q, [len(a) for a in sampler.arms], args.sec_tau, args.curriculum == "uniform")
@@ -390,12 +391,18 @@ def main(args: Args) -> dict:
                 rewards_B += args.format_reward_weight * torch.tensor(
                     [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
 
-        # 3. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
+        # ALGO LOGIC: 3. leave-one-out advantages (all-equal groups get exactly 0); beta > 0 folds the KL in (4a)
+        G = args.group_size
+        adv_PG, zero_std_P = rloo_advantages(rewards_B.view(-1, G))
+        # every advantage 0 on every rank and no KL term: the update would do nothing, so there is none (update/skipped)
+        skip = args.beta <= 0 and all_reduce_sum(torch.count_nonzero(adv_PG).float()).item() == 0
+
+        # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
         # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
         # compared with, so that comparison costs no extra pass.
         mask_BC = rollouts.completion_mask_BC.clone()
         with timed(times, "logprobs"):
-            needs_old = args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0
+            needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
                            if needs_old else None)
@@ -403,9 +410,7 @@ def main(args: Args) -> dict:
                                             args.micro_batch_size, args.share_prompt)
                            if ref_model is not None else None)
 
-        # ALGO LOGIC: 4. leave-one-out advantages (all-equal groups get exactly 0), KL folded into the reward
-        G = args.group_size
-        adv_PG, zero_std_P = rloo_advantages(rewards_B.view(-1, G))
+        # ALGO LOGIC: 4a. the KL to the reference folded into the reward, and the advantages of that reward
         seq_kl_B = torch.zeros_like(rewards_B)
         if ref_model is not None:  # r_i - beta sum_t (logp_old - logp_ref); zero_std stays the verifier's
             seq_kl_B = ((old_logp_BC - ref_logp_BC) * mask_BC).sum(1)
@@ -433,8 +438,8 @@ def main(args: Args) -> dict:
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
-            sums, grad_norms = {}, []
-            for _ in range(args.num_iterations):
+            sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
+            for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
                 order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
@@ -481,7 +486,8 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
+        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
 
     final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)

@@ -77,8 +77,8 @@ from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, globa
 from common.logger import RunLogger, sample_rows
 from common.models import frozen_copy, load_policy, load_tokenizer
 from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (first_evaluation, minibatch_order, resume_state, rollout_perf_metrics, sample_step, start_run,
-                        step_bar, timed, update_metrics, without_samples)
+from common.run import (RunControl, first_evaluation, minibatch_order, resume_state, rollout_perf_metrics, sample_step,
+                        start_run, step_bar, timed, update_metrics, without_samples)
 from grounds import CODE_MODEL, path_of
 
 
@@ -551,6 +551,7 @@ def main(args: Args) -> dict:
     check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
     ckpt = open_checkpoint(args.resume, rank, world)
     run_dir = start_run(args, rank)
+    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
     model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
     tokenizer = load_tokenizer(model_path)
     train_tasks = select_tasks(args.dataset, args.tasks)
@@ -578,7 +579,7 @@ def main(args: Args) -> dict:
     first_eval = first_evaluation(run_eval, state, logger)
     bar = step_bar(args, state["step"], rank)
     metrics = {}
-    for step in bar:
+    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
         t_step, times = time.time(), {}
         # 1. Rollouts: G programs for each of num_prompts tasks
         tasks = sampler.next(args.num_prompts)
@@ -600,6 +601,8 @@ def main(args: Args) -> dict:
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
         adv_B = adv_PG.flatten()
+        # every advantage 0 on every rank and no KL term: the update would do nothing, so there is none (update/skipped)
+        skip = args.beta <= 0 and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
@@ -608,7 +611,7 @@ def main(args: Args) -> dict:
         # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
         # compared with, so that comparison costs no extra pass.
         with timed(times, "logprobs"):
-            needs_old = args.num_iterations > 1 or args.num_minibatches > 1
+            needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
@@ -622,8 +625,8 @@ def main(args: Args) -> dict:
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
         with timed(times, "update"):
-            sums, grad_norms = {}, []
-            for _ in range(args.num_iterations):
+            sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
+            for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
                 order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
@@ -660,7 +663,8 @@ def main(args: Args) -> dict:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
         logger.log(step, metrics, bar)
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:  # every rank: its own state
+        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
+        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval})
 
     final_eval = run_eval()

@@ -1,12 +1,18 @@
 """The plumbing around every trainer's loop, so that its `main()` shows the algorithm: seeding and the run folder,
-loading the problems, resuming, timing and throughput metrics, the end of the run (the step's math is the trainer's)."""
+loading the problems, resuming, Ctrl-C and the warning of a run that cannot learn, timing and throughput metrics, the
+end of the run (the step's math is the trainer's)."""
 
 from __future__ import annotations
 
 import os
 import random
 import resource
+import shlex
+import signal
+import sys
+import threading
 import time
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -55,6 +61,79 @@ def resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, devic
     return state
 
 
+class RunControl:
+    """Ctrl-C without a traceback, and a warning when a run cannot learn (docs/runs.md). The first Ctrl-C in the loop
+    (`steps`) stops it after the step, saved (`save_due`, agreed over ranks): the --resume command, SystemExit(130). A
+    second one, one outside the loop, or any in a trainer without checkpoints (`no_resume`: what to do instead) quits at
+    once. Once main() has returned, Ctrl-C does what it did before."""
+
+    def __init__(self, args, run_dir: str, rank: int, ckpt: dict | None = None, no_resume: str = ""):
+        self.args, self.run_dir, self.rank, self.no_resume = args, run_dir, rank, no_resume
+        self.saved = ckpt["state"]["step"] if ckpt else 0  # the last step whose checkpoint is on disk (0: none)
+        self.step, self.looping, self.asked, self.stop, self.due, self.stuck = self.saved, False, 0, 0, 0, []
+        previous, ref = signal.getsignal(signal.SIGINT), weakref.ref(self)  # weak: gone with main(), `previous` again
+        if threading.current_thread() is threading.main_thread() and previous is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, lambda sig, frame: ref()._interrupt() if ref() else (
+                previous if callable(previous) else signal.default_int_handler)(sig, frame))
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            os.write(2, f"\n{line}\n".encode())  # not print: safe inside a signal handler
+
+    def _interrupt(self) -> None:
+        if self.looping and not self.asked and not self.no_resume:
+            self.asked = 1
+            return self._say(f"stopping after step {self.step} finishes and saving a checkpoint; Ctrl-C again to quit "
+                             "at once")
+        kept = (f"the checkpoint of step {self.saved} is kept; continue with: {self.command()}" if self.saved else
+                "no checkpoint was written yet (--save-every N writes one every N steps)")
+        self._say(f"interrupted: {self.no_resume}" if self.no_resume else f"interrupted at step {self.step}: {kept}")
+        os._exit(130)  # at once: no clean-up that could hang (worker pools, a vllm engine, wandb)
+
+    def command(self) -> str:
+        """This run's command line with --resume <run folder> (torchrun on several nodes: add its launch flags)."""
+        script, argv = f"{type(self.args).exp_name}.py", sys.argv[1:]
+        if os.path.basename(sys.argv[0]) != script:  # main() called from Python
+            return f"{script} with this run's flags and --resume {self.run_dir}"
+        argv = [a for i, a in enumerate(argv) if not (a.startswith("--resume") or i and argv[i - 1] == "--resume")]
+        world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
+        launch = sys.executable if not world else f"torchrun --nproc-per-node {local}" if world == local else "torchrun"
+        return f"{launch} {shlex.join([sys.argv[0], *argv, '--resume', self.run_dir])}"
+
+    def steps(self, bar):
+        """The steps of `bar`; after the step a Ctrl-C stopped at (and its checkpoint), SystemExit(130)."""
+        self.looping = True
+        for self.step in bar:
+            yield self.step
+            self.saved = self.step if self.due else self.saved
+            if self.stop:
+                bar.close()  # its last line before ours
+                self._say(f"stopped after step {self.step} (checkpoint saved); continue with: {self.command()}")
+                raise SystemExit(130)
+        self.looping = False
+
+    def save_due(self, step: int) -> bool:
+        """Whether `step` ends with a checkpoint: every --save-every steps, the last step, and the step a Ctrl-C on any
+        rank stopped at (the same answer on every rank)."""
+        self.stop = all_reduce_sum(torch.tensor([float(self.asked)])).item() > 0
+        self.due = self.stop or step == self.args.total_steps or bool(
+            self.args.save_every and step % self.args.save_every == 0)
+        return self.due
+
+    def warn_if_stuck(self, step: int, m: dict, patience: int = 3) -> None:
+        """One console line when `patience` steps in a row had no learning signal (adv/mean_abs 0 in the metrics `m`:
+        every advantage on every rank 0), saying why from the step's metrics; a step with signal resets the count."""
+        self.stuck = self.stuck + [step] if m.get("adv/mean_abs") == 0 else []
+        if len(self.stuck) == patience and self.rank == 0:
+            acc, cut, n = m.get("train/accuracy"), m.get("rollout/truncated_frac", 0.0), self.args.max_new_tokens
+            why = ["every group's rewards were equal"] if m.get("adv/frac_zero_std") == 1 else []
+            why += ["none correct"] if acc == 0 else ["all correct: the problems are too easy"] if acc == 1 else []
+            why += ([f"{100 * cut:.0f} % of completions were cut at --max-new-tokens {n}: raise it"] if cut >= 0.5
+                    else ["too hard, or answers in a wrong format? (samples.jsonl)"] if acc == 0 else [])
+            tqdm.write("; ".join([f"warning: steps {self.stuck[0]}-{step} had no learning signal (every advantage 0"
+                                  + ("; updates skipped)" if m.get("update/skipped") else ")"), *why]))
+
+
 def step_bar(args, start_step: int, rank: int):
     """The progress bar over steps start_step + 1 .. total_steps (rank 0 only)."""
     return tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
@@ -101,14 +180,16 @@ def minibatch_order(args) -> torch.Tensor:
 def update_metrics(sums: dict, grad_norms: list[float], lr: float, n_updates: int, n_tok: float) -> dict:
     """The update's statistics, for the union batch of all ranks: the loss/* sums (each rank's share of the loss, its
     normalisers being global) summed over ranks as means over its n_updates optimizer steps, the other sums (per-token
-    statistics) summed over ranks and divided by all ranks' n_tok tokens, optim/grad_norm (mean over steps) and
-    optim/lr. On one process: the sums as they are."""
+    statistics) summed over ranks and divided by all ranks' n_tok tokens (as they are on one process), optim/grad_norm
+    (mean over steps), optim/lr, update/skipped (1: no update, and loss/*, clip_frac, approx_kl the 0 it would log)."""
     keys = sorted(sums)
     total = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(n_tok)], dtype=torch.float64))
     n_tok = total[-1].item()
-    return {**{k: total[i].item() / (n_updates if k.startswith("loss/") else max(n_tok, 1.0))
-               for i, k in enumerate(keys)},
-            "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": lr}
+    skipped = dict.fromkeys(("loss/policy", "loss/kl", "policy/clip_frac", "policy/approx_kl"), 0.0)  # A = 0, ratio 1
+    return {**({} if grad_norms else skipped), **{k: total[i].item() / (n_updates if k.startswith("loss/") else
+                                                                      max(n_tok, 1.0)) for i, k in enumerate(keys)},
+            "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": lr,
+            "update/skipped": float(not grad_norms)}
 
 
 def peak_mem_gb(device: str) -> float:

@@ -1,0 +1,159 @@
+"""What a user sees when a run is stopped or cannot learn (issue 43): Ctrl-C prints one line, not a traceback, and
+(in a trainer with checkpoints) saves the step it stops after and prints the command that continues the run exactly;
+a step whose advantages are all 0 with no other loss term skips its update (update/skipped), and three such steps in
+a row print one warning saying why."""
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import tyro
+
+import grpo
+from common.logger import read_metrics
+from common.models import load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-prompts", "2", "--group-size", "4", "--max-new-tokens", "8", "--num-eval-problems", "4",
+        "--eval-samples", "0", "--eval-every", "0", "--log-samples", "0"]
+
+
+def _rows(run_dir) -> dict:
+    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r}
+
+
+def _ctrl_c_after_first_step(cmd: list[str], run_dir: str) -> tuple[int, str]:
+    """Run `cmd`, press Ctrl-C (SIGINT) once its metrics.jsonl holds a training step, and return its exit status and
+    its stdout and stderr together."""
+    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path, deadline = os.path.join(run_dir, "metrics.jsonl"), time.time() + 300
+    while child.poll() is None and time.time() < deadline:
+        if os.path.exists(path) and any('"reward/mean"' in line for line in open(path)):
+            child.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.01)
+    out, _ = child.communicate(timeout=300)
+    return child.returncode, out
+
+
+def test_ctrl_c_saves_the_step_and_its_resume_command_continues_as_if_never_stopped(tmp_path, weak_model_dir):
+    flags = [*TINY, "--total-steps", "4", "--output-dir", str(tmp_path), "--run-name", "stopped"]
+    run_dir = str(tmp_path / "stopped")
+    code, out = _ctrl_c_after_first_step([sys.executable, "grpo.py", *flags], run_dir)
+    assert code == 130 and "Traceback" not in out, out[-3000:]
+    stopping = [line for line in out.splitlines() if line.startswith("stopping after step")]
+    assert len(stopping) == 1 and stopping[0].endswith("and saving a checkpoint; Ctrl-C again to quit at once"), out
+    stopped = [line for line in out.splitlines() if line.startswith("stopped after step")]
+    assert len(stopped) == 1, out[-3000:]
+    head, command = stopped[0].split("; continue with: ")
+    step = int(head.split()[3])
+    assert head == f"stopped after step {step} (checkpoint saved)" and 1 <= step < 4
+    assert out.rstrip().endswith(command), out[-500:]  # the last thing printed
+    # the checkpoint of the step it stopped after, and that step's metrics, nothing later
+    assert torch.load(os.path.join(run_dir, "checkpoint", "trainer_state.pt"), weights_only=False)["step"] == step
+    assert sorted(_rows(run_dir)) == list(range(1, step + 1))
+    # the printed command: this interpreter, the same script and flags, and --resume <run folder>
+    argv = shlex.split(command)
+    assert os.path.realpath(os.path.join(ROOT, argv[0])) == os.path.realpath(sys.executable)
+    assert argv[1:] == ["grpo.py", *flags, "--resume", run_dir]
+    resumed = grpo.main(tyro.cli(grpo.Args, args=argv[2:]))
+    straight = grpo.main(tyro.cli(grpo.Args, args=[*flags[:-1], "straight"]))
+    got, ref = _rows(run_dir), _rows(straight["run_dir"])
+    assert sorted(got) == list(range(1, 5))
+    for s in range(step + 1, 5):
+        assert [got[s][k] for k in ("reward/mean", "update/skipped")] == [ref[s][k] for k in ("reward/mean",
+                                                                                             "update/skipped")], s
+        assert got[s]["loss/policy"] == pytest.approx(ref[s]["loss/policy"], abs=1e-6), s
+        assert got[s]["optim/grad_norm"] == pytest.approx(ref[s]["optim/grad_norm"], rel=1e-5), s
+    assert resumed["after"] == straight["after"]
+
+
+def test_ctrl_c_in_a_trainer_without_checkpoints_is_one_line(tmp_path, tiny_model_dir):
+    """mada_rl.py writes no checkpoints: Ctrl-C in its training stops it at once, with one line saying so."""
+    cmd = [sys.executable, "mada_rl.py", "--model-name", tiny_model_dir, "--num-generators", "1", "--num-critics", "0",
+           "--debate-rounds", "1", "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
+           "--num-eval-problems", "2", "--num-train-problems", "8", "--generator-steps", "200", "--lora-r", "2",
+           "--output-dir", str(tmp_path), "--run-name", "mada"]
+    code, out = _ctrl_c_after_first_step(cmd, str(tmp_path / "mada"))
+    assert code == 130 and "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("interrupted")]
+    assert lines == ["interrupted: mada_rl.py writes no checkpoints (its stages are short): nothing is kept; rerun the "
+                     "script"], out[-3000:]
+
+
+class Count:
+    """Calls to `fn`, passed through to it."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+def test_steps_without_learning_signal_skip_their_update_and_warn_once(tmp_path, tiny_model_dir, capsys,
+                                                                         monkeypatch):
+    """--max-new-tokens 1: every completion is cut or empty, so every reward is 0 and every advantage 0. With beta 0
+    no step runs a log-prob pass, a forward or an optimizer step: the weights, AdamW's state and the schedule stay as
+    they were; three such steps in a row print one warning. With beta > 0 the KL term has a gradient: no skip."""
+    logprobs, losses = Count(grpo.batched_logprobs), Count(grpo.micro_batch_loss)
+    monkeypatch.setattr(grpo, "batched_logprobs", logprobs)
+    monkeypatch.setattr(grpo, "micro_batch_loss", losses)
+    flags = [*TINY, "--model-name", tiny_model_dir, "--max-new-tokens", "1", "--total-steps", "4", "--num-iterations",
+             "2", "--warmup-steps", "4", "--learning-rate", "1e-3", "--output-dir", str(tmp_path)]
+    out = grpo.main(tyro.cli(grpo.Args, args=[*flags, "--run-name", "flat"]))
+    console = capsys.readouterr().out
+    rows = _rows(out["run_dir"])
+    assert [rows[s]["update/skipped"] for s in (1, 2, 3, 4)] == [1.0] * 4
+    assert all(rows[s]["reward/mean"] == 0 and rows[s]["adv/frac_zero_std"] == 1 for s in rows)
+    assert all(rows[s]["optim/grad_norm"] == 0 and rows[s]["optim/lr"] == 1e-3 / 4 for s in rows)  # warm-up stays
+    assert all(rows[s]["loss/policy"] == 0 and "policy/entropy" not in rows[s] for s in rows)  # no forward
+    assert logprobs.calls == 0 and losses.calls == 0  # no old log-probs (2 epochs), no forward/backward
+    ckpt = os.path.join(out["run_dir"], "checkpoint")
+    start, end = load_model(tiny_model_dir).state_dict(), load_model(ckpt).state_dict()
+    assert all(torch.equal(start[k], end[k]) for k in start)
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    assert state["optimizer"]["state"] == {} and state["scheduler"]["last_epoch"] == 0  # AdamW never stepped
+    warnings = [line for line in console.splitlines() if line.startswith("warning:")]
+    cut = rows[3]["rollout/truncated_frac"]
+    assert warnings == ["warning: steps 1-3 had no learning signal (every advantage 0; updates skipped); every group's "
+                        "rewards were equal; none correct; " + (
+                            f"{100 * cut:.0f} % of completions were cut at --max-new-tokens 1: raise it" if cut >= 0.5
+                            else "too hard, or answers in a wrong format? (samples.jsonl)")], console
+    lines = console.splitlines()
+    assert lines.index(warnings[0]) == next(i for i, ln in enumerate(lines) if ln.startswith("step    3")) + 1
+    # main() has returned: Ctrl-C is Python's KeyboardInterrupt again
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+
+    kl = grpo.main(tyro.cli(grpo.Args, args=[*flags, "--beta", "0.1", "--run-name", "kl"]))
+    rows = _rows(kl["run_dir"])
+    assert [rows[s]["update/skipped"] for s in (1, 2, 3, 4)] == [0.0] * 4
+    assert [rows[s]["optim/lr"] for s in (1, 2, 3, 4)] == pytest.approx([0.5e-3, 1e-3, 1e-3, 1e-3])  # 2 steps each
+    state = torch.load(os.path.join(kl["run_dir"], "checkpoint", "trainer_state.pt"), weights_only=False)
+    assert state["optimizer"]["state"] and state["scheduler"]["last_epoch"] == 8
+
+
+@pytest.mark.parametrize("trainer", ["rloo_sec", "oc_grpo", "adakp", "mada_rl"])
+def test_the_other_group_trainers_skip_a_step_without_signal_too(tmp_path, tiny_model_dir, capsys, trainer):
+    import importlib
+
+    module = importlib.import_module(trainer)
+    flags = ["--model-name", tiny_model_dir, "--num-prompts", "2", "--group-size", "4", "--max-new-tokens", "1",
+             "--num-eval-problems", "4", "--eval-every", "0", "--log-samples", "0", "--output-dir", str(tmp_path)]
+    flags += (["--num-generators", "1", "--num-critics", "0", "--debate-rounds", "1", "--generator-steps", "3",
+               "--num-train-problems", "8", "--lora-r", "2"] if trainer == "mada_rl"
+              else ["--eval-samples", "0", "--total-steps", "3"])
+    out = module.main(tyro.cli(module.Args, args=flags))
+    rows = _rows(out["run_dir"])
+    assert sorted(rows) == [1, 2, 3]
+    assert all(r["update/skipped"] == 1 and r["optim/grad_norm"] == 0 and r["loss/policy"] == 0 for r in rows.values())
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: steps 1-3 had no learning signal (every advantage "
+                                                         "0; updates skipped)"), warnings
