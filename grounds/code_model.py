@@ -1,6 +1,6 @@
 """rlpf.py's embedded policy `testbed-code`: a tiny byte-level Qwen2 (the testbed models' tokenizer) warm-started by
 supervised training on the embedded code tasks' slow, fast and broken programs, so RL has something to shift.
-Built once (about a minute on 2 cores) and cached by grounds/cache.py, keyed by the recipe and the programs."""
+Built once (up to 9 minutes on 2 busy cores) and cached by grounds/cache.py, keyed by the recipe and the programs."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from grounds.testbed_models import build_tokenizer
 CODE_RECIPE = dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=150, lr=3e-3, batch=32, v=1,
                    mix=dict(slow=0.55, fast=0.15, broken=0.30))
 """Warm-start mix: mostly slow-correct programs, a few fast ones, some broken: RL has something to shift."""
+BUILD_MINUTES = 9
+"""How long a build can take on 2 busy cores: the cached build of 2026-12-02 took 514 s (its TESTBED_DONE.json)."""
 
 
 def code_recipe_hash() -> str:
@@ -42,7 +44,7 @@ def sft_program(rng: random.Random, task: CodeTask) -> str:
 
 
 def ensure_code_model(progress: bool = True) -> str:
-    """The folder of the warm-started `testbed-code` model, built once (about a minute on 2 cores) and cached."""
+    """The folder of the warm-started `testbed-code` model, built once (up to 9 minutes on 2 busy cores) and cached."""
     path = code_model_dir()
 
     def done():
@@ -50,13 +52,14 @@ def ensure_code_model(progress: bool = True) -> str:
         return os.path.exists(os.path.join(path, "TESTBED_DONE.json")) and os.path.exists(weights) and \
             os.path.getsize(weights) > 0
 
-    return build_once(path, done, lambda tmp: _build_code_model(tmp, progress))
+    return build_once(path, done, lambda tmp: _build_code_model(tmp, progress), what=CODE_MODEL, minutes=BUILD_MINUTES)
 
 
 def _build_code_model(tmp: str, progress: bool) -> None:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # slow to import: only when building
 
-    print(f"[testbed] building {CODE_MODEL} into {code_model_dir()} (once; cached afterwards)")
+    print(f"[testbed] building {CODE_MODEL} into {code_model_dir()} (once; cached afterwards): "
+          f"{CODE_RECIPE['sft_steps']} supervised steps, up to {BUILD_MINUTES} minutes on 2 busy cores", flush=True)
     r = CODE_RECIPE
     tok = build_tokenizer()
     torch.manual_seed(0)

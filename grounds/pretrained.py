@@ -111,7 +111,7 @@ def _is_valid(path: str, name: str) -> bool:
 
 
 def ensure_pretrained_model(name: str) -> str:
-    """The cached plain folder of embedded pretrained model `name`, converted once (about half a minute) from the
+    """The cached plain folder of embedded pretrained model `name`, converted once (about a minute on 2 cores) from the
     installed package's GGUF file; rebuilt when missing, half-written or damaged. Under torchrun rank 0 converts
     and the other ranks wait (grounds.cache.build_once). The package is needed only for the conversion."""
     if name not in PRETRAINED_MODELS:
@@ -122,7 +122,8 @@ def ensure_pretrained_model(name: str) -> str:
     gguf_path = find_gguf(name)
 
     def build(tmp):
-        print(f"[pretrained] converting {gguf_path} into {path} (once; cached afterwards)")
+        print(f"[pretrained] converting {gguf_path} into {path} (once; cached afterwards, about a minute on 2 cores)",
+              flush=True)
         check = convert_gguf(gguf_path, tmp)
         with open(gguf_path, "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -131,4 +132,4 @@ def ensure_pretrained_model(name: str) -> str:
         with open(os.path.join(tmp, DONE_FILE), "w") as f:
             json.dump(meta, f, indent=2)
 
-    return build_once(path, lambda: _is_valid(path, name), build)
+    return build_once(path, lambda: _is_valid(path, name), build, what=name, minutes=1)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import time
 
 import torch
 from tqdm import tqdm
@@ -41,6 +42,10 @@ SFT_GUIDED_FRACTION = 0.25
 """Fraction of supervised examples whose prompt carries hints or a solution prefix (a recipe's `guided` overrides
 it: testbed-strong, a plain-prompt student, trains on plain prompts only)."""
 RECIPE_VERSION = 3
+TYPICAL = {"testbed-weak": dict(steps=470, minutes=3), "testbed-strong": dict(steps=910, minutes=6)}
+"""Where a warm start usually stops and how long a build takes (outside the recipe hash: what was measured, not what
+is built): the cached builds of 2026-12-02 on 2 busy cores, testbed-weak 470 steps in 3.3 minutes, testbed-strong 910
+in 6.0 (an earlier build of testbed-weak: 460 steps in 123 s on one thread, docs/testbed.md)."""
 
 
 def recipe_hash(name: str) -> str:
@@ -120,6 +125,27 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: i
     return sum(t.strip() == p.answer for t, p in zip(out.texts, problems)) / len(problems)
 
 
+def next_check(name: str, step: int) -> int:
+    """The step of the first calibration check after `step` (the end of the fixed schedule, then every `check_every`
+    steps): where the warm start's progress bar ends until that check is passed.
+
+    >>> next_check("testbed-weak", 0), next_check("testbed-weak", 450), next_check("testbed-weak", 455)
+    (450, 460, 460)
+    """
+    r = RECIPES[name]
+    if step < r["sft_steps"]:
+        return r["sft_steps"]
+    return r["sft_steps"] + ((step - r["sft_steps"]) // r["check_every"] + 1) * r["check_every"]
+
+
+def warm_start_plan(name: str) -> str:
+    """What a build of testbed model `name` does and how long it takes, for the line that starts it."""
+    r, typical = RECIPES[name], TYPICAL.get(name, {})
+    usually = f"usually by step ~{typical['steps']}, about {typical['minutes']} minutes on 2 cores; " if typical else ""
+    return (f"a warm start of {r['sft_steps']} scheduled steps, then a level-{CALIB_LEVEL} calibration check every "
+            f"{r['check_every']} steps until accuracy {r['target']} ({usually}at most {r['max_steps']} steps)")
+
+
 def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True) -> int:
     """Supervised training on the answers (loss on completion tokens only), stopped on a measured property.
 
@@ -130,7 +156,9 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
     `check_every` steps level-3 greedy accuracy is measured on the calibration quarter (never trained
     on, disjoint from the held-out one); the first check that reaches `target` ends the warm start.
     What differs between machines is the step count, not where the model lands. Returns the steps taken;
-    fails with a clear error at `max_steps`.
+    fails with a clear error at `max_steps`. With `progress`, a bar runs to the next check (`next_check`: the
+    end of the schedule, then check after check, so its ETA is for that, not for `max_steps`) and each check
+    prints one line with the accuracy it measured.
     """
     r = RECIPES[name]
     rng = random.Random(seed)
@@ -150,8 +178,10 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     eos = tokenizer.eos_token_id
-    bar = tqdm(range(1, r["max_steps"] + 1), desc=f"warm-starting {name}", disable=not progress, leave=False)
-    for step in bar:
+    t0 = time.time()
+    bar = tqdm(total=next_check(name, 0), desc=f"warm-starting {name} (stops when calibrated, usually by step "
+               f"~{TYPICAL.get(name, {}).get('steps', r['sft_steps'])})", disable=not progress, leave=False)
+    for step in range(1, r["max_steps"] + 1):
         model.train()
         pairs = [sft_example(rng, problems, weights, r.get("guided", SFT_GUIDED_FRACTION)) for _ in range(r["batch"])]
         prompt_ids = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
@@ -171,12 +201,22 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        bar.update()
         if step >= r["sft_steps"] and (step - r["sft_steps"]) % r["check_every"] == 0:
             model.eval()
             acc = greedy_accuracy(model, tokenizer, calib)
+            ok, following = acc >= r["target"], next_check(name, step)
+            bar.total = min(following, r["max_steps"])  # the bar runs to the next check, and so does its ETA
             bar.set_postfix(loss=f"{loss.item():.3f}", calib=f"{acc:.3f}")
-            if acc >= r["target"]:
+            if progress:
+                tqdm.write(f"[testbed] {name} step {step} ({time.time() - t0:.0f} s): level-{CALIB_LEVEL} accuracy "
+                           f"{acc:.3f} on the calibration problems, target {r['target']}: " + (
+                               "calibrated, warm start done" if ok else "below it, and no check is left" if
+                               following > r["max_steps"] else f"below it; next check at step {following}"))
+            if ok:
+                bar.close()
                 return step
+    bar.close()
     raise SystemExit(f"error: warm-starting {name} did not reach level-{CALIB_LEVEL} calibration accuracy "
                      f"{r['target']} within {r['max_steps']} steps; the recipe in grounds/testbed_models.py needs "
                      "changing")
@@ -204,8 +244,8 @@ def ensure_testbed_model(name: str, progress: bool = True, seed: int = 0) -> str
     path = model_dir(name, seed)
 
     def build(tmp):
-        print(f"[testbed] building {name} into {path} (once; cached afterwards)")
-        threads = torch.get_num_threads()
+        print(f"[testbed] building {name} into {path} (once; cached afterwards): {warm_start_plan(name)}", flush=True)
+        t0, threads = time.time(), torch.get_num_threads()
         tokenizer = build_tokenizer()
         model = build_model(name, tokenizer, seed=seed)
         steps = warm_start(model, tokenizer, name, seed=seed, progress=progress)
@@ -214,9 +254,10 @@ def ensure_testbed_model(name: str, progress: bool = True, seed: int = 0) -> str
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "TESTBED_DONE.json"), "w") as f:
             json.dump(dict(name=name, recipe_hash=recipe_hash(name), recipe=RECIPES[name], seed=seed,
-                           warm_start_steps=steps), f)
+                           warm_start_steps=steps, seconds=round(time.time() - t0, 1)), f)
 
-    return build_once(path, lambda: _is_valid(path, name), build)
+    return build_once(path, lambda: _is_valid(path, name), build, what=name,
+                      minutes=TYPICAL.get(name, {}).get("minutes", 0))
 
 
 # ----------------------------------------------------------------------------------------
@@ -286,7 +327,8 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def build(tmp):
-        print(f"[testbed] building the teacher pair's post model into {path} (once; cached afterwards)")
+        print(f"[testbed] building the teacher pair's post model into {path} (once; cached afterwards): "
+              f"{recipe['steps']} steps of rejection-sampling fine-tuning, about a minute on 2 cores", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(pre)
         threads = torch.get_num_threads()
         model = AutoModelForCausalLM.from_pretrained(pre, dtype=torch.float32)
@@ -302,4 +344,5 @@ def ensure_testbed_teacher_pair(recipe: dict | None = None, progress: bool = Tru
                            heldout_greedy_accuracy=dict(pre=before, post=after)), f, indent=2)
         print(f"[testbed] teacher pair: level-{recipe['level']} held-out greedy accuracy {before:.3f} -> {after:.3f}")
 
-    return pre, build_once(path, lambda: _teacher_done(path, recipe), build)
+    return pre, build_once(path, lambda: _teacher_done(path, recipe), build, what="the teacher pair's post model",
+                           minutes=1)

@@ -48,7 +48,8 @@ def test_model_build_is_deterministic_and_rebuilt_when_corrupt(tmp_path, monkeyp
     assert os.path.getsize(os.path.join(path, "model.safetensors")) > 0
 
 
-def test_warm_start_stops_on_calibration_or_fails_clearly(tmp_path, monkeypatch):
+def test_warm_start_stops_on_calibration_or_fails_clearly_saying_what_each_check_measured(tmp_path, monkeypatch,
+                                                                                           capsys):
     import json
 
     monkeypatch.setenv("TINYPOST_CACHE", str(tmp_path))
@@ -58,8 +59,25 @@ def test_warm_start_stops_on_calibration_or_fails_clearly(tmp_path, monkeypatch)
     with open(os.path.join(path, "TESTBED_DONE.json")) as f:
         assert json.load(f)["warm_start_steps"] == 2  # the target is met at the first check
     monkeypatch.setitem(testbed_models.RECIPES, "testbed-weak", dict(recipe, target=1.01))  # never met: a clear error
+    capsys.readouterr()
     with pytest.raises(SystemExit, match="did not reach level-3 calibration accuracy"):
-        testbed_models.ensure_testbed_model("testbed-weak", progress=False)
+        testbed_models.ensure_testbed_model("testbed-weak", progress=True)
+    out = capsys.readouterr().out
+    assert ("a warm start of 2 scheduled steps, then a level-3 calibration check every 2 steps until accuracy 1.01 "
+            "(usually by step ~470, about 3 minutes on 2 cores; at most 6 steps)") in out  # the build's first line
+    checks = [line for line in out.splitlines() if line.startswith("[testbed] testbed-weak step ")]
+    assert len(checks) == 3 and all("on the calibration problems, target 1.01: below it" in c for c in checks)
+    assert checks[0].endswith("next check at step 4") and checks[1].endswith("next check at step 6")
+    assert checks[2].endswith("below it, and no check is left")
+
+
+def test_warm_start_progress_runs_to_the_next_calibration_check_not_to_the_step_cap():
+    """The bar of a warm start ends at its next calibration check (the end of the 450-step schedule, then every 10
+    steps), not at max_steps (3,000), where a bar once showed a 4.5-hour ETA for a build that stops near step 470."""
+    assert [testbed_models.next_check("testbed-weak", s) for s in (0, 449, 450, 455, 460)] == [450, 450, 460, 460, 470]
+    assert testbed_models.next_check("testbed-strong", 0) == 900
+    plan = testbed_models.warm_start_plan("testbed-weak")
+    assert "450 scheduled steps" in plan and "usually by step ~470, about 3 minutes on 2 cores" in plan
 
 
 def test_tokenizer_roundtrips_through_autotokenizer(weak_model_dir):
@@ -82,6 +100,48 @@ def test_warm_started_model_lands_in_the_calibrated_band(weak_model_dir):
     assert 0.35 <= acc[3] <= 0.70
     assert acc[1] >= 0.8 and acc[5] <= 0.1
     assert acc[1] > acc[3] > acc[4] >= acc[5]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_process_waiting_for_anothers_build_says_so_until_the_lock_is_released(tmp_path, monkeypatch, capsys, rank):
+    """A second run that needs a model another process is building says at once what it waits for, where, on whom and
+    for how long such a build takes, then how long it has waited, every `every` seconds; it goes on as soon as the
+    builder releases the lock, without building again. Under torchrun only rank 0 talks (torchrun sets RANK)."""
+    import threading
+    import time
+
+    from grounds.cache import build_once
+
+    monkeypatch.setenv("RANK", rank)
+    entry, started, release, finished = tmp_path / "entry", threading.Event(), threading.Event(), []
+    done = lambda: os.path.exists(entry / "ok")  # noqa: E731
+
+    def slow_build(tmp):  # the other process's build, holding the lock until released
+        started.set()
+        release.wait(30)
+        os.makedirs(tmp)
+        open(os.path.join(tmp, "ok"), "w").close()
+        finished.append(time.time())
+
+    holder = threading.Thread(target=build_once, args=(str(entry), done, slow_build, "the fake model", 3))
+    holder.start()
+    assert started.wait(30)
+    threading.Timer(1.5, release.set).start()
+    path = build_once(str(entry), done, lambda tmp: pytest.fail("built twice"), "the fake model", 3, every=0.4)
+    returned = time.time()
+    holder.join()
+    out = capsys.readouterr().err
+    assert path == str(entry) and 0 <= returned - finished[0] < 2.0  # the wait ends when the lock is released
+    if rank == "1":
+        assert "[cache]" not in out
+        return
+    first = out.splitlines()[0]
+    assert first.startswith(f"[cache] waiting for another process to finish building the fake model in {entry} "
+                            "(lock held since ")
+    assert f"by process {os.getpid()}; it takes about 3 minutes on 2 cores)" in first
+    assert out.count("[cache] still waiting for the fake model: ") >= 2  # every 0.4 s for 1.5 s
+    last = out.splitlines()[-1]
+    assert last.startswith("[cache] waited ") and last.endswith("for the fake model: built by the other process")
 
 
 BUILD_WORKER = """
