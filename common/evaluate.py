@@ -5,6 +5,7 @@ from __future__ import annotations
 from math import comb
 
 import torch
+from tqdm import tqdm
 
 from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_sum, rank_world
@@ -18,49 +19,48 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), pass_at_k(4, 0, 2)
     (0.25, 1.0, 0.0)
     """
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
+    return 1.0 if n - c < k else 1.0 - comb(n - c, k) / comb(n, k)
 
 
 def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0, temperature: float = 1.0,
              pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0, top_p: float = 1.0) -> dict:
     """eval/greedy_accuracy (and per level) over eval/num_problems problems, eval/format_rate (greedy answers in the
-    task's answer format, common.verifiers.format_reward), eval/truncated_frac (greedy answers cut at max_new_tokens),
-    eval/sampled_accuracy and eval/pass_at_k when num_samples > 0 (sampled at `temperature` and `top_p`, as in
-    training); with log_samples > 0 also 'samples/eval': that many greedy answers as text (common.logger.sample_rows).
-    A completion cut at max_new_tokens scores 0.
-
-    Under torchrun each rank answers its share, problems[rank::world], and the counts are summed over ranks, so every
-    rank returns the figures of all `problems` (8 ranks evaluate about 8x faster). A rank with no share generates for
-    one problem that is not counted: under --fsdp every generation is a collective."""
+    task's answer format, common.verifiers.format_reward), eval/truncated_frac (greedy answers cut at max_new_tokens:
+    they score 0), eval/sampled_accuracy and eval/pass_at_k when num_samples > 0 (sampled at `temperature` and `top_p`,
+    as in training); with log_samples > 0 'samples/eval', that many greedy answers (common.logger.sample_rows). Under
+    torchrun each rank answers its share, problems[rank::world], and every rank returns the figures of all `problems`
+    (counts summed over ranks); a rank with no share generates for one uncounted problem (under --fsdp every generation
+    is a collective). Rank 0's console shows a bar over its answers while they are generated, cleared when done."""
     if not problems:
         return {}
     rank, world = rank_world()
     counted, share = len(problems[rank::world]), problems[rank::world] or problems[:1]
+    bar = tqdm(total=len(share) * (1 + num_samples), desc=f"held-out evaluation, {len(problems)} problems (up to "
+               f"{max_new_tokens} new tokens an answer)", bar_format="{desc}: {n}/{total} answers", disable=rank != 0,
+               leave=False)  # no clock: one generation call can take minutes without an update
     prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in share], max_prompt_tokens)
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
-    correct = score(greedy.texts, share, greedy.truncated_B)[:counted]
+    bar.update(len(share))
+    correct, levels = score(greedy.texts, share, greedy.truncated_B)[:counted], sorted({p.level for p in problems})
     in_format = [format_reward(t, p.task) for t, p in zip(greedy.texts[:counted], share)]
-    levels = sorted({p.level for p in problems})
     # greedy: correct, problems, in the task's answer format, cut at the cap; then per level; then sampled, pass@k
     sums = [sum(correct), counted, sum(in_format), greedy.truncated_B[:counted].sum().item()]
-    for lv in levels:
-        mine = [c for p, c in zip(share, correct) if p.level == lv]
+    for mine in ([c for p, c in zip(share, correct) if p.level == lv] for lv in levels):
         sums += [sum(mine), len(mine)]
     if num_samples > 0:
         sampled = engine.generate(prompt_ids, n=num_samples, temperature=temperature, top_p=top_p,
                                   max_new_tokens=max_new_tokens)
+        bar.update(len(share) * num_samples)
         c = score(sampled.texts, [p for p in share for _ in range(num_samples)], sampled.truncated_B)
         per_problem = [sum(c[i * num_samples : (i + 1) * num_samples]) for i in range(counted)]
         k = min(pass_k or num_samples, num_samples)
         sums += [sum(per_problem), counted * num_samples, sum(pass_at_k(num_samples, int(x), k) for x in per_problem)]
+    bar.close()
     total = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()
     out = {"eval/greedy_accuracy": total[0] / total[1], "eval/format_rate": total[2] / total[1],
            "eval/truncated_frac": total[3] / total[1], "eval/num_problems": int(total[1])}
-    if len(levels) > 1:
-        out.update({f"eval/greedy_accuracy/level_{lv}": total[4 + 2 * i] / max(total[5 + 2 * i], 1)
-                    for i, lv in enumerate(levels)})
+    out.update({f"eval/greedy_accuracy/level_{lv}": total[4 + 2 * i] / max(total[5 + 2 * i], 1)
+                for i, lv in enumerate(levels) if len(levels) > 1})
     if num_samples > 0:  # sampled accuracy over all the samples, pass@k over the problems
         out.update({"eval/sampled_accuracy": total[-3] / total[-2], "eval/pass_at_k": total[-1] / total[1]})
     if log_samples > 0 and counted:

@@ -1,0 +1,54 @@
+"""A held-out evaluation is not silent: rank 0 shows a bar over the answers it generates, says how many problems and
+how long an answer may be, and clears it when done; nothing of it reaches the metrics (so nor metrics.jsonl). The
+build lock's waiting lines and the warm start's bar are tested in tests/test_testbed.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+from common.evaluate import evaluate
+from common.models import load_model, load_tokenizer
+from common.rollout import HFEngine
+from common.testbed import make_suite
+from conftest import ROOT
+
+
+def test_an_evaluation_shows_a_bar_over_its_answers_and_clears_it(tiny_model_dir, capsys):
+    tok = load_tokenizer(tiny_model_dir)
+    problems = make_suite("test", levels=(1, 2), n_per_level=2)
+    out = evaluate(HFEngine(load_model(tiny_model_dir), tok), tok, problems, max_new_tokens=2, num_samples=3)
+    console = capsys.readouterr()
+    bar = "held-out evaluation, 4 problems (up to 2 new tokens an answer)"
+    assert f"{bar}: 0/16 answers" in console.err  # 4 greedy answers and 3 samples of each, said at the start
+    assert console.err.rstrip(" \r").endswith("answers")  # then blanked out: leave=False
+    assert console.err.endswith("\r") and console.out == ""  # the console's lines (stdout) are untouched
+    assert all(k.startswith("eval/") for k in out) and out["eval/num_problems"] == 4  # no progress in the metrics
+
+
+RANK_EVAL = """
+import json, sys
+import torch.distributed as dist
+from common.evaluate import evaluate
+from common.models import load_model, load_tokenizer
+from common.rollout import HFEngine
+from common.testbed import make_suite
+rank, model_dir, store = int(sys.argv[1]), *sys.argv[2:4]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+tok = load_tokenizer(model_dir)
+out = evaluate(HFEngine(load_model(model_dir), tok), tok, make_suite("test", levels=(1,), n_per_level=3), 2)
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_under_torchrun_only_rank_0_shows_the_evaluation_bar(tiny_model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_EVAL, str(r), tiny_model_dir, str(tmp_path / "store")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in (0, 1)]
+    (out0, err0), (out1, err1) = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), (err0[-2000:], err1[-2000:])
+    assert "held-out evaluation, 3 problems (up to 2 new tokens an answer): 0/2 answers" in err0  # rank 0's share
+    assert "held-out evaluation" not in err1
+    assert json.loads(out0) == json.loads(out1) and json.loads(out0)["eval/num_problems"] == 3
