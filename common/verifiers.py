@@ -4,13 +4,12 @@ The final answer of a reply (`extract_answer`): for math, the last `\\boxed{}`, 
 for testbed-nl (task 'nl', replies of a small chat model) the last `\\boxed{}` if the reply has one, else the
 number after the last "answer is", else the last number of the reply.
 
-Every reward function returns a float and never raises on model output: garbage,
-empty strings and pathological expressions score 0.
+Every reward function returns a float and never raises on model output: garbage, empty strings and pathological
+expressions score 0.
 
-math-verify's own timeouts use `signal.alarm`, which only works on the main thread, and
-SymPy can hang for minutes on inputs like `9^{9^{9^{9}}}`. So the symbolic check runs in
-a small pool of worker processes with a wall-clock limit per answer; a worker that
-overruns is killed, its answer scores 0, and the pool is rebuilt. This is thread-safe.
+math-verify's own timeouts use `signal.alarm`, which only works on the main thread, and SymPy can hang for minutes on
+inputs like `9^{9^{9^{9}}}`. So the symbolic check runs in a small pool of worker processes with a wall-clock limit per
+answer; a worker that overruns is killed, its answer scores 0, and the pool is rebuilt. This is thread-safe.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import atexit
 import concurrent.futures as cf
 import multiprocessing as mp
 import re
+import signal
 import threading
 
 _TESTBED_FORMAT = re.compile(r"^-?\d+$")
@@ -138,8 +138,9 @@ class _Pool:
     def get(self) -> cf.ProcessPoolExecutor:
         with self.lock:
             if self.pool is None:
-                # forkserver: never fork a process that holds torch's thread pools
-                self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("forkserver"))
+                # forkserver: never fork a process holding torch's thread pools; workers ignore the terminal's Ctrl-C
+                self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("forkserver"),
+                                                   initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
             return self.pool
 
     def kill(self, pool: cf.ProcessPoolExecutor) -> None:
@@ -150,7 +151,6 @@ class _Pool:
                 proc.kill()
             pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None
-
 
     def close(self) -> None:
         """Shut the pool down at exit, while the interpreter is whole (a pool collected during module

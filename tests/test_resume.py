@@ -137,15 +137,18 @@ def test_a_different_world_size_resumes_with_new_streams(tmp_path, tiny_model_di
 @pytest.mark.parametrize("trainer", ["grpo", "rloo_sec", "oc_grpo", "direct_opd"])
 def test_warmup_counts_optimizer_steps(tmp_path, tiny_model_dir, trainer):
     """Two mini-batches per step and --warmup-steps 4: optimizer steps use 1/4, 2/4 | 3/4, 4/4 | 1, 1 of the peak;
-    optim/lr is the rate of the step's last update."""
+    optim/lr is the rate of the step's last update. (The random tiny model earns no reward: with --beta 0 every
+    update would be skipped and the schedule would not move; the KL term keeps a gradient.)"""
     module = {"grpo": grpo, "rloo_sec": rloo_sec, "oc_grpo": oc_grpo, "direct_opd": direct_opd}[trainer]
-    extra = ["--teacher-pre", tiny_model_dir, "--teacher-post", tiny_model_dir] if trainer == "direct_opd" else []
+    extra = (["--teacher-pre", tiny_model_dir, "--teacher-post", tiny_model_dir] if trainer == "direct_opd"
+             else ["--beta", "0.01"])
     args = tyro.cli(module.Args, args=["--output-dir", str(tmp_path), *TINY, "--model-name", tiny_model_dir, *extra,
                                        "--num-minibatches", "2", "--warmup-steps", "4", "--learning-rate", "1e-3",
                                        "--total-steps", "3", "--run-name", "warm", "--levels", "1"])
     out = module.main(args)
     rows = _rows(out["run_dir"])
     assert [rows[s]["optim/lr"] for s in (1, 2, 3)] == pytest.approx([0.5e-3, 1e-3, 1e-3], rel=1e-12)
+    assert all(rows[s].get("update/skipped", 0) == 0 for s in (1, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------

@@ -112,3 +112,16 @@ def test_nl_format_reward_wants_the_reply_to_end_with_the_answer_line():
     bad = ["The answer is 82. Let me know if you need more help!", "\\boxed{82}", "82", "The answer is eighty-two."]
     assert [format_reward(t, "nl") for t in good] == [1.0] * 4
     assert [format_reward(t, "nl") for t in bad] == [0.0] * 4
+
+
+def test_verifier_workers_ignore_ctrl_c():
+    """The terminal sends Ctrl-C to the whole process group, math-verify's workers included: they ignore it (the
+    trainer stops them at exit), so an interrupted run prints the trainer's one line, not a worker's traceback."""
+    from common.verifiers import _POOL
+
+    assert math_rewards(["\\boxed{2}"], ["2"]) == [1.0]  # the pool is up
+    pids = list((_POOL.get()._processes or {}).keys())
+    assert pids
+    for pid in pids:
+        ignored = int(next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (2 - 1)), pid  # bit SIGINT - 1 of the ignored-signal mask
