@@ -591,7 +591,8 @@ def main(args: Args) -> dict:
         logger.log(step, metrics, bar)
         control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
         if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler, {"first_eval": first_eval},
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None, scheduler,
+                            sampler, {"first_eval": first_eval},
                             rank_extra={"kp": kp, "probe_cache": probe_cache})  # each rank's own problems' state
 
     final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir,

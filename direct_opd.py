@@ -85,7 +85,7 @@ from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate, evaluator
 from common.logger import RunLogger, sample_rows
-from common.models import check_same_vocab, frozen_copy, load_model, load_policy, load_tokenizer
+from common.models import frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
 from common.run import (RunControl, finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics,
                         sample_step, start_run, step_bar, timed, update_metrics)
@@ -162,6 +162,17 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """beta <- beta (1 + rate) when the mean weighted reward is positive, beta (1 - rate) when negative"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d (clamped to +-10)"""
+
+
+def check_same_vocab(tokenizers: dict) -> None:
+    """Fail fast, naming the culprits, when models that must share a vocabulary do not."""
+    names = list(tokenizers)
+    ref = tokenizers[names[0]]
+    for other in names[1:]:
+        tok = tokenizers[other]
+        if len(tok) != len(ref) or tok.get_vocab() != ref.get_vocab():
+            raise SystemExit(f"error: {names[0]} and {other} have different tokenizers "
+                             f"({len(ref)} vs {len(tok)} tokens); they must share one vocabulary")
 
 
 def default_teacher_post(teacher_pre: str) -> str:
@@ -512,8 +523,8 @@ def main(args: Args) -> dict:
         logger.log(step, metrics, bar)
         control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
         if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, sampler,
-                            {"first_eval": first_eval, "kl_coef": kl_coef})
+            save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None, scheduler,
+                            sampler, {"first_eval": first_eval, "kl_coef": kl_coef})
 
     if rank == 0:
         print(f"teacher pair held-out greedy accuracy: pre {first_eval['eval/teacher_pre_greedy_accuracy']:.3f}, "

@@ -39,7 +39,8 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
                     extra: dict | None = None, rank_extra: dict | None = None) -> str | None:
     """Called by every rank. Rank 0 writes run_dir/checkpoint atomically (a crash mid-write leaves the previous one),
     with each rank's RNG states, sampler and `rank_extra` (a trainer's per-rank state, e.g. adakp's knowledge points)
-    gathered into rank{r}_state.pt; `extra` (the same on every rank) to trainer_state.pt. `resume` returns both."""
+    gathered into rank{r}_state.pt; `extra` (the same on every rank) to trainer_state.pt. `resume` returns both.
+    `optimizer` None: weights only (--no-save-optimizer)."""
     own = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
            "sampler": sampler.state_dict(), **(rank_extra or {})}
@@ -64,8 +65,9 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
     tokenizer.save_pretrained(tmp)
     for r, state in enumerate(owns):
         torch.save(state, os.path.join(tmp, f"rank{r}_state.pt"))
-    torch.save({"step": step, "world_size": world, "optimizer": None if sharded else optimizer.state_dict(),
-                "fsdp": sharded, "scheduler": scheduler.state_dict(), **(extra or {})},
+    torch.save({"step": step, "world_size": world, "optimizer": None if sharded or not optimizer else
+                optimizer.state_dict(), "weights_only": not optimizer, "fsdp": sharded,
+                "scheduler": scheduler.state_dict(), **(extra or {})},
                os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(final):
@@ -87,7 +89,8 @@ def save_sharded(path: str, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=f"{path}/{SHARDED}")
+    if optimizer:  # (none: --no-save-optimizer, the consolidated weights only)
+        dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=f"{path}/{SHARDED}")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         model.save_pretrained(path, state_dict=full)
@@ -140,6 +143,8 @@ def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
         fail(f"{where}: no checkpoint in that folder (expected {os.path.join(run_dir, 'checkpoint')}/trainer_state.pt, "
              "written every --save-every steps and at the end)")
     state = _load(os.path.join(path, "trainer_state.pt"), where)
+    if state.get("weights_only"):
+        fail(f"{where}: {path} holds weights only (--no-save-optimizer), not a run to resume; load it by --model-name")
     weights = os.path.join(path, "model.safetensors")
     if os.path.exists(weights):
         try:

@@ -259,17 +259,6 @@ def load_score_model(path: str, dtype: str = "float32"):
     return model
 
 
-def check_same_vocab(tokenizers: dict) -> None:
-    """Fail fast, naming the culprits, when models that must share a vocabulary do not."""
-    names = list(tokenizers)
-    ref = tokenizers[names[0]]
-    for other in names[1:]:
-        tok = tokenizers[other]
-        if len(tok) != len(ref) or tok.get_vocab() != ref.get_vocab():
-            raise SystemExit(f"error: {names[0]} and {other} have different tokenizers "
-                             f"({len(ref)} vs {len(tok)} tokens); they must share one vocabulary")
-
-
 def add_lora(model, names: list[str], r: int, alpha: int, target_modules, **config):
     """`model` wrapped by peft with one fresh LoRA adapter (no dropout; B = 0, so it starts as `model`) per name,
     the first one active; a one-line error when --lora-target-modules names no module of this model."""

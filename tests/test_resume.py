@@ -274,3 +274,25 @@ def test_contradicting_flags_fail_before_any_work(tmp_path, trainer, flags, mess
         module.main(args)
     assert "\n" not in str(e.value.code)
     assert os.listdir(tmp_path) == []  # no run folder was created
+
+
+def test_a_weights_only_checkpoint_loads_as_a_model_and_is_refused_by_resume(tmp_path, tiny_model_dir):
+    """--no-save-optimizer: the checkpoint keeps the weights (they load with from_pretrained) but not AdamW's
+    moments; --resume refuses it in one line, losing nothing."""
+    from transformers import AutoModelForCausalLM
+
+    out = grpo.main(tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), *TINY, "--model-name", tiny_model_dir,
+                                              "--total-steps", "1", "--run-name", "light", "--no-save-optimizer",
+                                              "--beta", "0.01"]))  # an update, so AdamW has moments to leave out
+    light = os.path.join(out["run_dir"], "checkpoint")
+    size = lambda f: os.path.getsize(os.path.join(light, f))  # noqa: E731
+    assert size("trainer_state.pt") < 0.05 * size("model.safetensors")  # AdamW's moments are twice the weights
+    state = torch.load(os.path.join(light, "trainer_state.pt"), weights_only=False)
+    assert state["optimizer"] is None and state["weights_only"]
+    AutoModelForCausalLM.from_pretrained(light)
+    before = open(os.path.join(out["run_dir"], "metrics.jsonl")).read()
+    with pytest.raises(SystemExit, match=r"holds weights only \(--no-save-optimizer\)") as e:
+        grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", tiny_model_dir, "--total-steps", "2",
+                                            "--resume", out["run_dir"]]))
+    assert "\n" not in str(e.value)
+    assert open(os.path.join(out["run_dir"], "metrics.jsonl")).read() == before
