@@ -229,13 +229,15 @@ def without_samples(metrics: dict) -> dict:
 
 def finish_run(run_eval, logger, first_eval: dict, step: int, rank: int, run_dir: str,
                what: str = "held-out greedy accuracy") -> dict:
-    """The final evaluation (returned), logged at `step`; the logger closed (curve.png); rank 0 prints before, after."""
-    final_eval = run_eval()
-    logger.log(step, final_eval)
+    """The final evaluation (returned), logged at `step`; the logger closed (curve.png); rank 0 prints before, after.
+    Step 0 (--total-steps 0, an evaluation-only run): the weights never changed, so the first evaluation is the last."""
+    final_eval = run_eval() if step else first_eval
+    if step:
+        logger.log(step, final_eval)
     final_eval = without_samples(final_eval)
     logger.close()
     if rank == 0:
         before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
-        print(f"{what}: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points, "
-              f"n={final_eval.get('eval/num_problems', '?')}); run folder {run_dir}")
+        change = f"-> {after:.3f} ({100 * (after - before):+.1f} points, " if step else "(evaluation only, "
+        print(f"{what}: {before:.3f} {change}n={final_eval.get('eval/num_problems', '?')}); run folder {run_dir}")
     return final_eval
