@@ -30,7 +30,10 @@ def _rows(run_dir) -> dict:
 def _ctrl_c_after_first_step(cmd: list[str], run_dir: str) -> tuple[int, str]:
     """Run `cmd`, press Ctrl-C (SIGINT) once its metrics.jsonl holds a training step, and return its exit status and
     its stdout and stderr together."""
-    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # SIGINT as a terminal has it: a shell runs a background job (CI's, say) with SIGINT ignored, which the child
+    # would inherit and, rightly, keep
+    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     path, deadline = os.path.join(run_dir, "metrics.jsonl"), time.time() + 300
     while child.poll() is None and time.time() < deadline:
         if os.path.exists(path) and any('"reward/mean"' in line for line in open(path)):
@@ -97,8 +100,17 @@ class Count:
         return self.fn(*a, **k)
 
 
+@pytest.fixture
+def python_ctrl_c():
+    """Ctrl-C as a terminal session has it (KeyboardInterrupt), even where pytest runs as a background job with SIGINT
+    ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_steps_without_learning_signal_skip_their_update_and_warn_once(tmp_path, tiny_model_dir, capsys,
-                                                                         monkeypatch):
+                                                                         monkeypatch, python_ctrl_c):
     """--max-new-tokens 1: every completion is cut or empty, so every reward is 0 and every advantage 0. With beta 0
     no step runs a log-prob pass, a forward or an optimizer step: the weights, AdamW's state and the schedule stay as
     they were; three such steps in a row print one warning. With beta > 0 the KL term has a gradient: no skip."""

@@ -112,8 +112,8 @@ def test_grpo_runs_with_vllm_backend(tmp_path, weak_model_dir):
     args = tyro.cli(grpo.Args, args=[
         "--output-dir", str(tmp_path), "--rollout-backend", "vllm", "--total-steps", "3", "--num-prompts", "4",
         "--group-size", "4", "--num-eval-problems", "8", "--eval-samples", "0", "--eval-every", "0",
-        "--tis", "token", "--learning-rate", "1e-3"])
-    out = grpo.main(args)
+        "--tis", "token", "--learning-rate", "1e-3", "--beta", "0.01"])  # with a KL term no update is skipped, so
+    out = grpo.main(args)  # every step has the trainer's forward the mismatch is measured on
     last = out["last"]
     assert math.isfinite(last["reward/mean"]) and math.isfinite(last["loss/policy"])
     # the engine is re-synced after every update, so the sampler never drifts from the trainer
