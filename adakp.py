@@ -39,24 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-import torch
 import tyro
 
 from common.args import TrainArgs, check_at_least, check_run_args
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
-                         max_over_ranks, shard_models)
-from common.evaluate import evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
-                            split_completions)
-from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.verifiers import format_reward, score
-from grounds import path_of
 
 
 @dataclass
@@ -130,6 +115,27 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on the advantage"""
     is_clip_min: float = 0.01
     """c_min, the lower clamp of the --correction weight (its upper clamp is 1)"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import numpy as np
+import torch
+
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.data import PromptSampler, encode_prompts, render_prompt
+from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
+                         max_over_ranks, shard_models)
+from common.evaluate import evaluator
+from common.logger import RunLogger, sample_rows
+from common.models import frozen_copy, load_policy, load_tokenizer
+from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
+                            split_completions)
+from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
+from common.verifiers import format_reward, score
+from grounds import path_of
 
 
 # ALGO LOGIC: advantages, KL, the clipped objective, its normalisers and the sampler's importance weight
@@ -601,4 +607,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

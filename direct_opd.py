@@ -75,23 +75,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-import torch.nn.functional as F
 import tyro
 
 from common.args import TrainArgs, check_run_args, fail
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
-from common.evaluate import evaluate, evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_model, load_policy, load_tokenizer
-from common.rollout import HFEngine, make_engine, position_ids
-from common.run import (RunControl, finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics,
-                        sample_step, start_run, step_bar, timed, update_metrics)
-from common.verifiers import score
-from grounds import path_of
-from grounds.testbed_models import ensure_testbed_teacher_pair
 
 
 @dataclass
@@ -162,6 +148,26 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """beta <- beta (1 + rate) when the mean weighted reward is positive, beta (1 - rate) when negative"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d (clamped to +-10)"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import torch
+import torch.nn.functional as F
+
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.data import PromptSampler, encode_prompts, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
+from common.evaluate import evaluate, evaluator
+from common.logger import RunLogger, sample_rows
+from common.models import frozen_copy, load_model, load_policy, load_tokenizer
+from common.rollout import HFEngine, make_engine, position_ids
+from common.run import (RunControl, finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics,
+                        sample_step, start_run, step_bar, timed, update_metrics)
+from common.verifiers import score
+from grounds import path_of
+from grounds.testbed_models import ensure_testbed_teacher_pair
 
 
 def check_same_vocab(tokenizers: dict) -> None:
@@ -536,4 +542,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

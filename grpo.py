@@ -37,21 +37,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 import tyro
 
 from common.args import TrainArgs, check_run_args
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
-from common.evaluate import evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.verifiers import format_reward, score
-from grounds import path_of
 
 
 @dataclass
@@ -95,6 +83,24 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """per-token KL estimator with d = logp - logp_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d"""
     filter_zero_std: bool = False
     """drop groups whose rewards are all equal from the loss (they have zero advantage anyway)"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import torch
+
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.data import PromptSampler, encode_prompts, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
+from common.evaluate import evaluator
+from common.logger import RunLogger, sample_rows
+from common.models import frozen_copy, load_policy, load_tokenizer
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
+from common.verifiers import format_reward, score
+from grounds import path_of
 
 
 # ALGO LOGIC: advantages, KL, the clipped objective, its normalisers and the sampler's importance weight
@@ -354,4 +360,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

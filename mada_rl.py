@@ -41,25 +41,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-import torch
-import torch.distributed as dist
 import tyro
-from tqdm import tqdm
 
 from common.args import TrainArgs, check_at_least, check_run_args, fail
-from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
-from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, is_sharded, rank_world,
-                         shard_models)
-from common.logger import RunLogger, sample_rows
-from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
-                           load_tokenizer, use_adapter)
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (RunControl, load_train_eval, minibatch_order, rollout_perf_metrics, sample_step, start_run,
-                        timed, update_metrics, without_samples)
-from common.testbed import render_testbed_prompt
-from common.verifiers import extract_answer, score
-from grounds import path_of
 
 
 @dataclass
@@ -135,6 +119,28 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     # Filled in at runtime
     total_steps: int = 0
     """generator_steps * num_generators + critic_steps * num_critics"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
+from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, is_sharded, rank_world,
+                         shard_models)
+from common.logger import RunLogger, sample_rows
+from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
+                           load_tokenizer, use_adapter)
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.run import (RunControl, load_train_eval, minibatch_order, rollout_perf_metrics, sample_step, start_run,
+                        timed, update_metrics, without_samples)
+from common.testbed import render_testbed_prompt
+from common.verifiers import extract_answer, score
+from grounds import path_of
 
 
 # ALGO LOGIC: the length reward, the MADA reward, the two advantages, the clipped objective and its normalisers
@@ -343,7 +349,7 @@ def debate_samples(answers: list[list[list[str]]], cut: list[list[list[bool]]], 
     first generator's)."""
     final, final_cut = answers[-1][0][:k], cut[-1][0][:k]
     correct = score(final, problems[:k], final_cut)
-    return [{"question": p.question, "prompt_tail": p.question[-200:], "completion": final[i],
+    return [{"question": p.question, "prompt_tail": p.question[-1000:], "completion": final[i],
              "truncated": final_cut[i], "gold": p.answer, "level": p.level, "correct": correct[i],
              "generator_answers": [final_answer(a[i], p) for a in answers[0]],
              "proposals": [final_answer(a[i], p) for a in answers[-2]] if len(answers) > 1 else None}
@@ -527,8 +533,9 @@ def load_run_agents(run_dir: str, args: Args, device: str):
 def main(args: Args) -> dict:
     # setup: flags checked before any work, seeding and the run folder (common/run.py), data, agents
     rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
-    if args.resume or args.save_every:
-        fail(f"--{'resume' if args.resume else 'save-every'}: mada_rl.py writes no checkpoints (its three stages are "
+    if args.resume or args.save_every or not args.save_optimizer:
+        flag = "resume" if args.resume else "save-every" if args.save_every else "no-save-optimizer"
+        fail(f"--{flag}: mada_rl.py writes no checkpoints (its three stages are "
              "short; rerun the script, or --eval-debate RUN_DIR for the debate of a finished run)")
     args.total_steps = args.generator_steps * args.num_generators + args.critic_steps * args.num_critics
     check_at_least(args, 1, "num_generators", "debate_rounds")
@@ -640,4 +647,4 @@ def print_table(rows: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

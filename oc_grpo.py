@@ -55,24 +55,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-import torch
 import tyro
 
 from common.args import TrainArgs, check_run_args
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
-                         max_over_ranks, shard_models)
-from common.evaluate import evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
-from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.testbed import render_testbed_prompt
-from common.verifiers import format_reward, score
-from grounds import path_of
 
 
 @dataclass
@@ -133,6 +118,27 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     shift, so no weight whatever --correction says)"""
     fixed_probe_samples: int = 8
     """--guidance fixed: samples per problem and fraction in the offline probe"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import numpy as np
+import torch
+
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.data import PromptSampler, encode_prompts, render_prompt
+from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
+                         max_over_ranks, shard_models)
+from common.evaluate import evaluator
+from common.logger import RunLogger, sample_rows
+from common.models import frozen_copy, load_policy, load_tokenizer
+from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
+from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
+from common.testbed import render_testbed_prompt
+from common.verifiers import format_reward, score
+from grounds import path_of
 
 
 # ALGO LOGIC: advantages, KL, the context-shift weight, the clipped objective, its normalisers and the sampler's
@@ -584,4 +590,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

@@ -42,21 +42,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-import torch
-import torch.distributed as dist
 import tyro
 
 from common.args import ExperimentArgs, check_sampling_args
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, local_part, shard_models
-from common.logger import RunLogger, read_metrics, sample_rows
-from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
-from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
-from common.run import (RunControl, rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics,
-                        without_samples)
-from common.verifiers import score
-from grounds import path_of
-from ppo_slm_stages import build_pairs, pair_accuracy, supervised_stages
 
 
 @dataclass
@@ -184,6 +172,24 @@ class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
     # Filled in at runtime
     num_minibatches: int = 0
     """optimizer steps per epoch = num_prompts // minibatch_size"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, local_part, shard_models
+from common.logger import RunLogger, read_metrics, sample_rows
+from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
+from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
+from common.run import (RunControl, rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics,
+                        without_samples)
+from common.verifiers import score
+from grounds import path_of
+from ppo_slm_stages import build_pairs, pair_accuracy, supervised_stages
 
 
 # ALGO LOGIC: scores, GAE and the PPO loss
@@ -455,7 +461,7 @@ def main(args: Args) -> dict:
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     guarded = args.ratio_guard and not mean_ratio <= args.ratio_threshold
-                    skips += guarded  # as TRL: policy and value loss x 0, but the step is taken (Adam's momentum moves on)
+                    skips += guarded  # as TRL: policy and value loss x 0, the step still taken (Adam's momentum moves)
                     optimizer.zero_grad(set_to_none=True)
                     (loss * 0.0 if guarded else loss).backward()
                     all_reduce_grads(policy)
@@ -479,7 +485,8 @@ def main(args: Args) -> dict:
         # 6. Adaptive KL controller on the summed per-sequence KL to the reference
         kl_ref = all_reduce_mean({"k": kl_BC.sum(1).mean().item()})["k"]
         if args.adaptive_kl:
-            beta *= 1 + float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2)) * args.num_prompts * world / args.kl_horizon
+            error = float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2))
+            beta *= 1 + error * args.num_prompts * world / args.kl_horizon
         if kl_ref < -50:
             stop = stop or f"stopping: KL to the reference is {kl_ref:.1f} < -50"
 
@@ -547,4 +554,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

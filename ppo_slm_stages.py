@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from common.args import fail
-from common.data import load_problems, read_texts
+from common.data import load_problems, read_json_records
 from common.models import add_lora, load_model, load_score_model
 from common.rollout import encode_pairs, position_ids, sequence_scores
 from common.testbed import render_testbed_prompt
@@ -45,6 +45,38 @@ def corrupt_answer(answer: str, rng: random.Random) -> str:
     if u < 0.9:
         return answer[:-1] or str(rng.randint(0, 9))
     return f"{answer}+{rng.randint(1, 9)}"
+
+
+def read_texts(dataset: str, split: str, field: str, n: int = 0) -> list[str]:
+    """Plain texts (ppo_slm.py's text datasets): the lines of a local .txt file, the `field` of each record of a
+    local .jsonl/.json file (every 10th line or record is the held-out split, the others 'train'), or the `field`
+    of a Hugging Face dataset's 'train' or 'validation' split. `n` > 0 keeps the first n."""
+    if os.path.exists(dataset):
+        if dataset.endswith((".jsonl", ".json")):
+            rows, where = read_json_records(dataset)
+            for row, at in zip(rows, where):
+                if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                    found = f"an object with fields {sorted(row)}" if isinstance(row, dict) else "a list or value"
+                    fail(f"{at}: expected an object with a string field {field!r} (--text-field); got {found}")
+            texts = [row[field] for row in rows]
+        else:
+            try:
+                with open(dataset, encoding="utf-8") as f:
+                    texts = [ln.strip() for ln in f if ln.strip()]
+            except (UnicodeDecodeError, IsADirectoryError) as e:
+                fail(f"{dataset}: cannot read it as UTF-8 text lines ({type(e).__name__})")
+        texts = [t for i, t in enumerate(texts) if (i % 10 == 0) == (split != "train")]
+    else:
+        import datasets
+        try:
+            ds = datasets.load_dataset(dataset, split="train" if split == "train" else "validation")
+        except Exception as e:  # noqa: BLE001 - hub, disk and format errors all mean "cannot load"
+            fail(f"could not load dataset {dataset!r} (not a local file, and loading it by name failed: "
+                 f"{type(e).__name__})")
+        if field not in ds.column_names:
+            fail(f"dataset {dataset!r} has no field {field!r} (--text-field); fields are {ds.column_names}")
+        texts = ds[:n][field] if n else ds[field]
+    return texts[:n] if n else texts
 
 
 def build_pairs(args, split: str, n: int, seed: int) -> list[Pair]:
@@ -100,7 +132,7 @@ def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report would list score.weight as MISSING: expected, said below in words
+    hf_logging.set_verbosity_error()  # its load report would list score.weight as MISSING (expected: said below)
     try:
         rm = load_score_model(sft_dir)
     finally:

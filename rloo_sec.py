@@ -56,21 +56,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 import tyro
 
 from common.args import TrainArgs, check_run_args
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
-from common.evaluate import evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.verifiers import format_reward, score
-from grounds import path_of
 
 
 @dataclass
@@ -130,6 +118,24 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """estimated mode: re-bucket problems every N steps"""
     success_ema: float = 0.3
     """estimated mode: per-problem success rate p <- (1 - ema) p + ema s/G (first observation: p = s/G)"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import torch
+
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.data import encode_prompts, render_prompt
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
+from common.evaluate import evaluator
+from common.logger import RunLogger, sample_rows
+from common.models import frozen_copy, load_policy, load_tokenizer
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
+                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
+from common.verifiers import format_reward, score
+from grounds import path_of
 
 
 # ALGO LOGIC: RLOO advantages, the clipped objective, its normalisers and the sampler's importance weight
@@ -501,4 +507,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

@@ -64,22 +64,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-import torch
 import tyro
 
-from code_env import sandbox
-from code_env.tasks import calibrate, check_timing_inputs, extract_program, judge, render_code_prompt, select_tasks
 from common.args import RunArgs, check_run_args
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (RunControl, first_evaluation, minibatch_order, resume_state, rollout_perf_metrics, sample_step,
-                        start_run, step_bar, timed, update_metrics, without_samples)
-from grounds import CODE_MODEL, path_of
 
 
 @dataclass
@@ -88,7 +75,7 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
     """name of this experiment (prefix of the run folder)"""
 
     # Model and data
-    model_name: str = CODE_MODEL
+    model_name: str = "testbed-code"
     """'testbed-code' (built locally and cached: warm-started on slow, fast and broken programs), a Hugging Face id,
     or a local folder"""
     dataset: str = "embedded"
@@ -182,6 +169,25 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
     """evaluate every N steps (0: only before and after training)"""
     eval_samples: int = 8
     """programs sampled per task for the evaluation (plus one greedy)"""
+
+
+if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
+    ARGS = tyro.cli(Args)
+
+import numpy as np
+import torch
+
+from code_env import sandbox
+from code_env.tasks import calibrate, check_timing_inputs, extract_program, judge, render_code_prompt, select_tasks
+from common.checkpoint import open_checkpoint, save_checkpoint
+from common.data import PromptSampler, encode_prompts
+from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
+from common.logger import RunLogger, sample_rows
+from common.models import frozen_copy, load_policy, load_tokenizer
+from common.rollout import batched_logprobs, completion_logprobs, make_engine
+from common.run import (RunControl, first_evaluation, minibatch_order, resume_state, rollout_perf_metrics, sample_step,
+                        start_run, step_bar, timed, update_metrics, without_samples)
+from grounds import path_of
 
 
 # ALGO LOGIC: rewards (ALGORITHMS.md section 7.2 for RLPF, 7.3 for DMC)
@@ -683,4 +689,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ARGS)

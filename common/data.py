@@ -212,35 +212,3 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = state["epoch"], state["pos"]
         self.order = self._order()
-
-
-def read_texts(dataset: str, split: str, field: str, n: int = 0) -> list[str]:
-    """Plain texts (ppo_slm.py's text datasets): the lines of a local .txt file, the `field` of each record of a
-    local .jsonl/.json file (every 10th line or record is the held-out split, the others 'train'), or the `field`
-    of a Hugging Face dataset's 'train' or 'validation' split. `n` > 0 keeps the first n."""
-    if os.path.exists(dataset):
-        if dataset.endswith((".jsonl", ".json")):
-            rows, where = read_json_records(dataset)
-            for row, at in zip(rows, where):
-                if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                    fail(f"{at}: expected an object with a string field {field!r} (--text-field); got "
-                         f"{'an object with fields ' + str(sorted(row)) if isinstance(row, dict) else 'a list or value'}")
-            texts = [row[field] for row in rows]
-        else:
-            try:
-                with open(dataset, encoding="utf-8") as f:
-                    texts = [ln.strip() for ln in f if ln.strip()]
-            except (UnicodeDecodeError, IsADirectoryError) as e:
-                fail(f"{dataset}: cannot read it as UTF-8 text lines ({type(e).__name__})")
-        texts = [t for i, t in enumerate(texts) if (i % 10 == 0) == (split != "train")]
-    else:
-        import datasets
-        try:
-            ds = datasets.load_dataset(dataset, split="train" if split == "train" else "validation")
-        except Exception as e:  # noqa: BLE001 - hub, disk and format errors all mean "cannot load"
-            fail(f"could not load dataset {dataset!r} (not a local file, and loading it by name failed: "
-                 f"{type(e).__name__})")
-        if field not in ds.column_names:
-            fail(f"dataset {dataset!r} has no field {field!r} (--text-field); fields are {ds.column_names}")
-        texts = ds[:n][field] if n else ds[field]
-    return texts[:n] if n else texts

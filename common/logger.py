@@ -58,9 +58,9 @@ class RunLogger:
         if getattr(args, "track", False):
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
-                                    config=dataclasses.asdict(args), dir=run_dir, resume="allow",
-                                    id=os.path.basename(run_dir).replace("/", "_"))
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity,
+                                    name=os.path.basename(run_dir), config=dataclasses.asdict(args), dir=run_dir,
+                                    resume="allow", id=os.path.basename(run_dir).replace("/", "_"))
 
     def log(self, step: int, metrics: dict, bar=None) -> None:
         """The step's row of metrics.jsonl (a second log at a step, the final evaluation, joins it) and a console line;
@@ -129,10 +129,10 @@ def _plain(v):
 def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1, **fields) -> list[dict]:
     """Up to `k` rows of `rollouts` as text for samples.jsonl, the first row of each of the first k groups of
     `group_size` rows: its problem's question (whole), the end of its prompt and its completion as decoded with the
-    special tokens shown (so a missing or doubled eos is visible), `truncated` (no stop token within --max-new-tokens: the text is cut), the gold answer
-    and level of its problem (`problems` per row), and for each keyword its value at that row (a per-row tensor or
-    list: the reward and its parts, the advantage, a trainer's own fields). Costs no generation: the rows are the
-    step's (or the evaluation's) own.
+    special tokens shown (so a missing or doubled eos is visible), `truncated` (no stop token within
+    --max-new-tokens: the text is cut), the gold answer and level of its problem (`problems` per row), and for each
+    keyword its value at that row (a per-row tensor or list: the reward and its parts, the advantage, a trainer's own
+    fields). Costs no generation: the rows are the step's (or the evaluation's) own.
 
     >>> from common.rollout import attach
     >>> from common.testbed import Problem
