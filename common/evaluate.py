@@ -37,10 +37,11 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
     counted, share = len(problems[rank::world]), problems[rank::world] or problems[:1]
     bar = tqdm(total=len(share) * (1 + num_samples), desc=f"held-out evaluation, {len(problems)} problems (up to "
                f"{max_new_tokens} new tokens an answer)", bar_format="{desc}: {n}/{total} answers", disable=rank != 0,
-               leave=False)  # no clock: one generation call can take minutes without an update
+               leave=False)  # no clock: the answers of one batch end together, the cut ones last
+    engine.on_answers = bar.update  # common.rollout.HFEngine counts answers as they end (vllm's: none till the end)
     prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in share], max_prompt_tokens)
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
-    bar.update(len(share))
+    bar.update(len(share) - bar.n)
     correct, levels = score(greedy.texts, share, greedy.truncated_B)[:counted], sorted({p.level for p in problems})
     in_format = [format_reward(t, p.task) for t, p in zip(greedy.texts[:counted], share)]
     # greedy: correct, problems, in the task's answer format, cut at the cap; then per level; then sampled, pass@k
@@ -50,12 +51,13 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
     if num_samples > 0:
         sampled = engine.generate(prompt_ids, n=num_samples, temperature=temperature, top_p=top_p,
                                   max_new_tokens=max_new_tokens)
-        bar.update(len(share) * num_samples)
+        bar.update(bar.total - bar.n)
         c = score(sampled.texts, [p for p in share for _ in range(num_samples)], sampled.truncated_B)
         per_problem = [sum(c[i * num_samples : (i + 1) * num_samples]) for i in range(counted)]
         k = min(pass_k or num_samples, num_samples)
         sums += [sum(per_problem), counted * num_samples, sum(pass_at_k(num_samples, int(x), k) for x in per_problem)]
     bar.close()
+    engine.on_answers = None
     total = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()
     out = {"eval/greedy_accuracy": total[0] / total[1], "eval/format_rate": total[2] / total[1],
            "eval/truncated_frac": total[3] / total[1], "eval/num_problems": int(total[1])}

@@ -176,6 +176,7 @@ class HFEngine:
         # optional guard(input_ids, logits) -> logits (a transformers LogitsProcessor), run on every step's
         # logits before sampling, e.g. to make non-finite logits finite (ppo_slm.py)
         self.logits_guard = logits_guard
+        self.on_answers = None  # progress(k): k more rows ended (at their stop token, or cut at the cap)
 
     def sync_weights(self, model) -> None:
         """Nothing to do: generation reads the live training weights."""
@@ -244,8 +245,12 @@ class HFEngine:
                     logps.append(logp_BV.gather(1, token_B[:, None]).squeeze(1))
             token_B = token_B.masked_fill(done_B, tok.pad_token_id)
             tokens.append(token_B)
-            done_B |= torch.isin(token_B, stop)  # pad may equal a stop id (SmolLM2): done rows stay done
-            if done_B.all() or t == max_new_tokens - 1:
+            ended_B = torch.isin(token_B, stop) & ~done_B  # pad may equal a stop id (SmolLM2): done rows stay done
+            done_B |= ended_B
+            last = bool(done_B.all()) or t == max_new_tokens - 1
+            if self.on_answers is not None:
+                self.on_answers(int(ended_B.sum() + (~done_B).sum() * last))
+            if last:
                 break
             attn_BT = torch.cat([attn_BT, torch.ones_like(attn_BT[:, :1])], 1)
             out = model(input_ids=token_B[:, None], attention_mask=attn_BT, position_ids=next_pos_B[:, None],
@@ -509,7 +514,7 @@ def prompt_groups(prompt_ids_BL: torch.Tensor, prompt_mask_BL: torch.Tensor) -> 
     return starts_U, counts_U
 
 
-def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, share_prompt: bool = False) -> torch.Tensor:
+def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, share_prompt=False) -> torch.Tensor:
     """Logits that predict completion tokens L..T-1 (from positions L-1..T-2), shape B x C x V, L = prompt_len.
     Only the completion positions reach the LM head (`logits_to_keep`), so the prompt never costs vocabulary-sized
     logits.
@@ -531,7 +536,8 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
     if agree(share_prompt and not checkpointed and len(starts_U) * 2 <= B and C > 1, model):  # >= 2 rows/prompt
         # (agree: under FSDP every rank must run the same number of forwards, each a collective)
-        head = model(input_ids=input_ids_BT[starts_U, :prompt_len], attention_mask=attention_mask_BT[starts_U, :prompt_len],
+        head = model(input_ids=input_ids_BT[starts_U, :prompt_len],
+                     attention_mask=attention_mask_BT[starts_U, :prompt_len],
                      position_ids=pos_BT[starts_U, :prompt_len], use_cache=True, logits_to_keep=1)
         if expand_cache(head.past_key_values, counts_U):
             first_B1V = head.logits[:, -1:].repeat_interleave(counts_U, 0)

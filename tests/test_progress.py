@@ -1,11 +1,13 @@
-"""A held-out evaluation is not silent: rank 0 shows a bar over the answers it generates, says how many problems and
-how long an answer may be, and clears it when done; nothing of it reaches the metrics (so nor metrics.jsonl). The
+"""A held-out evaluation is not silent: rank 0 shows a bar over the answers it generates (counted as they end, so it
+moves within one batch), says how many problems and how long an answer may be, and clears it when done; nothing of it reaches the metrics (so nor metrics.jsonl). The
 build lock's waiting lines and the warm start's bar are tested in tests/test_testbed.py."""
 
 import json
 import os
 import subprocess
 import sys
+
+import torch
 
 from common.evaluate import evaluate
 from common.models import load_model, load_tokenizer
@@ -24,6 +26,21 @@ def test_an_evaluation_shows_a_bar_over_its_answers_and_clears_it(tiny_model_dir
     assert console.err.rstrip(" \r").endswith("answers")  # then blanked out: leave=False
     assert console.err.endswith("\r") and console.out == ""  # the console's lines (stdout) are untouched
     assert all(k.startswith("eval/") for k in out) and out["eval/num_problems"] == 4  # no progress in the metrics
+
+
+
+def test_the_sampler_counts_answers_as_they_end_so_an_evaluation_bar_moves_within_one_batch(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    engine, calls = HFEngine(load_model(tiny_model_dir), tok), []
+    engine.on_answers = calls.append
+    torch.manual_seed(0)
+    out = engine.generate([[5, 6, 7], [8, 9]], n=16, max_new_tokens=40)  # a random model: some rows stop early
+    ended_at = [int(n) - 1 for n, cut in zip(out.lengths_B, out.truncated_B) if not cut]
+    expected = [ended_at.count(t) for t in range(len(calls))]
+    expected[-1] += int(out.truncated_B.sum())  # the rows cut at the cap end at the last token
+    assert calls == expected and sum(calls) == 32 and 0 < len(ended_at) < 32 and len(set(ended_at)) > 1
+    evaluate(engine, tok, make_suite("test", levels=(1,), n_per_level=2), max_new_tokens=2)
+    assert engine.on_answers is None  # the evaluation's bar is not fed by later training rollouts
 
 
 RANK_EVAL = """
