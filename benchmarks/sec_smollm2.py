@@ -7,7 +7,7 @@ generalisation from the curriculum; the check is held-out greedy accuracy above 
 seeds. Writes benchmarks/sec_smollm2.md (rewritten after every run, so an interrupted benchmark keeps what it has)
 and docs/img/sec_smollm2.png (the bandit's level probabilities and the zero-advantage fraction against step).
 
-    python benchmarks/sec_smollm2.py                      # 2 arms x seeds 1 and 2, about 90 minutes on 2 cores
+    python benchmarks/sec_smollm2.py                      # 2 arms x seeds 1 and 2: 2.5-3 hours of a 2-core CPU
     python benchmarks/sec_smollm2.py --seeds 1 --steps 2 --num-eval-problems 2   # a smoke run
 
 Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run). A run
