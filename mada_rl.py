@@ -316,8 +316,13 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
            proposal_tokens: int = 0) -> tuple[list[list[list[str]]], list[list[list[bool]]]]:
     """answers[r][a][i]: round r's agent a's greedy answer to problem i (round 0: generators, then critics), and
     cut[r][a][i]: whether that answer ran to max_new_tokens without a stop token (it scores 0, as in training).
-    A critic is shown the previous round's answers as `proposal_text` gives them."""
+    A critic is shown the previous round's answers as `proposal_text` gives them. Rank 0 shows a bar over the
+    answers as they end (as common.evaluate does), cleared when done."""
     answers, cut = [], []
+    total = len(problems) * (len(generators) + (rounds - 1) * len(critics))
+    bar = tqdm(total=total, desc=f"held-out debate, {len(problems)} problems (up to {max_new_tokens} new tokens an "
+               "answer)", bar_format="{desc}: {n}/{total} answers", disable=rank_world()[0] != 0, leave=False)
+    engine.on_answers = bar.update  # HFEngine counts answers as they end
     for r in range(rounds):
         texts = ([render_prompt(p, tokenizer) for p in problems] if r == 0 else
                  [render_critic_prompt(p, [proposal_text(a[i], p, tokenizer, critic_sees, proposal_tokens)
@@ -330,8 +335,11 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
             out = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
             round_answers.append(out.texts)
             round_cut.append([bool(t) for t in out.truncated_B])
+            bar.update(len(problems) * (sum(map(len, answers)) + len(round_answers)) - bar.n)  # vllm: none till now
         answers.append(round_answers)
         cut.append(round_cut)
+    bar.close()
+    engine.on_answers = None
     return answers, cut
 
 

@@ -180,6 +180,7 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, local_part, shard_models
 from common.logger import RunLogger, read_metrics, sample_rows
@@ -381,21 +382,26 @@ def main(args: Args) -> dict:
     eval_ex = heldout[: args.num_eval_prompts]
     eval_ids = tokenizer([e.prompt for e in eval_ex], add_special_tokens=False)["input_ids"]
 
-    def generate(model, prompt_ids, guard, greedy=False):  # one completion per prompt, logits through the guard
-        return HFEngine(model, tokenizer, logits_guard=guard).generate(
-            prompt_ids, n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-            greedy=greedy)
+    def generate(model, prompt_ids, guard, greedy=False, bar=None):  # one completion per prompt, through the guard
+        engine = HFEngine(model, tokenizer, logits_guard=guard)
+        engine.on_answers = bar.update if bar is not None else None  # a progress bar's answers, as they end
+        return engine.generate(prompt_ids, n=1, temperature=args.temperature, top_p=args.top_p,
+                               max_new_tokens=args.max_new_tokens, greedy=greedy)
 
     def run_eval(model) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
         """RM score and verifier correctness of one sample per held-out prompt, and greedy accuracy."""
-        rollouts = generate(model, eval_ids, FiniteLogits())
+        bar = tqdm(total=len(eval_ids) * (1 + is_testbed), desc=f"held-out evaluation, {len(eval_ids)} prompts (up "
+                   f"to {args.max_new_tokens} new tokens an answer)", bar_format="{desc}: {n}/{total} answers",
+                   disable=rank != 0, leave=False)
+        rollouts = generate(model, eval_ids, FiniteLogits(), bar=bar)
         s_B = sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
         out, c_B = {"eval/rm_score": s_B.mean().item()}, None
         if is_testbed:
             c_B = verify(rollouts.texts, eval_ex)
             out["eval/sampled_accuracy"] = c_B.mean().item()
-            out["eval/greedy_accuracy"] = verify(generate(model, eval_ids, FiniteLogits(), greedy=True).texts,
+            out["eval/greedy_accuracy"] = verify(generate(model, eval_ids, FiniteLogits(), True, bar).texts,
                                                  eval_ex).mean().item()
+        bar.close()
         if args.log_samples > 0:  # the sampled answers the scores are of, as text (samples.jsonl)
             out["samples/eval"] = sample_rows(tokenizer, rollouts, [e.problem for e in eval_ex], args.log_samples,
                                               rm_score=s_B, correct=c_B)

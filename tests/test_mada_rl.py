@@ -190,7 +190,7 @@ def _agents(tiny_model_dir, *flags):
     return model, load_tokenizer(tiny_model_dir), args
 
 
-def test_a_worked_response_reaches_the_critic_prompt_in_stage_2_and_in_the_debate(tiny_model_dir):
+def test_a_worked_response_reaches_the_critic_prompt_in_stage_2_and_in_the_debate(tiny_model_dir, capsys):
     model, tok, args = _agents(tiny_model_dir)
     records = mada_rl.critic_records(model, ScriptedEngine(WORKED), tok, [NL_PROBLEM], ["gen0", "gen1"], args)
     (problem, proposals, acc_g), = records
@@ -201,6 +201,9 @@ def test_a_worked_response_reaches_the_critic_prompt_in_stage_2_and_in_the_debat
                    critic_sees=args.critic_sees, proposal_tokens=args.proposal_tokens)
     critic_prompt = tok.decode(engine.prompts[-1][0])  # round 2: the critic's prompt (the last generate)
     assert critic_prompt.count(WORKED) == 2 and NL_PROBLEM.question in critic_prompt
+    err = capsys.readouterr().err  # the debate is not silent: a bar over its 2 + 1 answers, cleared when done
+    assert "held-out debate, 1 problems (up to 8 new tokens an answer): 0/3 answers" in err and err.endswith("\r")
+    assert engine.on_answers is None
 
 
 def test_critic_sees_answers_only_with_the_ablation_flag_and_long_responses_keep_their_end(tiny_model_dir):

@@ -33,11 +33,11 @@ def stages(tmp_path_factory, tiny_model_dir):
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("transformers").addHandler(handler)
     try:
-        with contextlib.redirect_stdout(io.StringIO()) as console:
+        with contextlib.redirect_stdout(io.StringIO()) as console, contextlib.redirect_stderr(io.StringIO()) as err:
             out = ppo_slm.main(_args(tmp, tiny_model_dir, "--run-name", "full"))
     finally:
         logging.getLogger("transformers").removeHandler(handler)
-    out.update(console=console.getvalue(), hf_warnings=warnings)
+    out.update(console=console.getvalue(), stderr=err.getvalue(), hf_warnings=warnings)
     return tiny_model_dir, ["--sft-adapter", out["sft_adapter"], "--reward-model", out["reward_model"]], out
 
 
@@ -94,6 +94,7 @@ def test_full_pipeline_runs_and_reports(stages):
 def test_the_run_explains_its_score_head_plots_and_ends_on_the_training_samples_rm_score(stages):
     _, _, out = stages
     assert "reward model: the SFT model with a new score head" in out["console"]
+    assert "held-out evaluation, 16 prompts (up to " in out["stderr"]  # its evaluations show a bar (on stderr)
     assert not [w for w in out["hf_warnings"] if "MISSING" in w], out["hf_warnings"]  # no unexplained load report
     drawn = Image.open(os.path.join(out["run_dir"], "curve.png")).text["Description"]
     assert "reward/mean" in drawn and "rm/score_mean" in drawn, drawn
