@@ -31,37 +31,44 @@ def build_once(path: str, done, build, what: str = "", minutes: float = 0.0, eve
 
     A process that waits for another's build is not silent (on stderr; under torchrun rank 0 alone): one line at once
     naming `what` is built, where, since when and by which process, and how long a build takes (`minutes`, measured on
-    2 cores), then one line every `every` seconds with the time waited so far, and one when the wait is over."""
+    2 cores), then one line every `every` seconds with the time waited so far, and one when the wait is over. Ctrl-C
+    while building or waiting is one line and exit status 130, the unfinished build removed."""
     import torch.distributed as dist
 
     up = dist.is_available() and dist.is_initialized()
     builder = not (up and dist.get_rank() != 0)
     talk = (dist.get_rank() if up else int(os.environ.get("RANK", "0"))) == 0  # torchrun sets RANK before the group
     what, lock_path = what or os.path.basename(path), path + ".lock"
-    while not done():
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(lock_path, "a+") as lock:  # "a+": opening does not erase the holder's line (`_holder`)
-            waited = _take(lock, lock_path, what, path, minutes, every, talk)
-            if talk and waited is not None:
-                _say(f"[cache] waited {_minutes(waited)} for {what}: "
-                     + ("built by the other process" if done() else "not built there; building it here"))
-            if builder and not done():
-                lock.seek(0)
-                lock.truncate()
-                lock.write(f"{os.getpid()} {time.time():.0f}\n")  # who builds since when, for a process that waits
-                lock.flush()
-                try:
-                    shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder
-                    tmp = f"{path}.tmp{os.getpid()}"
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    build(tmp)
-                    os.replace(tmp, path)
-                finally:
+    try:
+        while not done():
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(lock_path, "a+") as lock:  # "a+": opening does not erase the holder's line (`_holder`)
+                waited = _take(lock, lock_path, what, path, minutes, every, talk)
+                if talk and waited is not None:
+                    _say(f"[cache] waited {_minutes(waited)} for {what}: "
+                         + ("built by the other process" if done() else "not built there; building it here"))
+                if builder and not done():
                     lock.seek(0)
-                    lock.truncate()  # no builder now
-        if builder:
-            break
-        time.sleep(0.5)  # rank 0 has not taken the lock yet
+                    lock.truncate()
+                    lock.write(f"{os.getpid()} {time.time():.0f}\n")  # who builds since when, for a process that waits
+                    lock.flush()
+                    try:
+                        shutil.rmtree(path, ignore_errors=True)  # a corrupt or unfinished folder
+                        tmp = f"{path}.tmp{os.getpid()}"
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        build(tmp)
+                        os.replace(tmp, path)
+                    finally:
+                        lock.seek(0)
+                        lock.truncate()  # no builder now
+            if builder:
+                break
+            time.sleep(0.5)  # rank 0 has not taken the lock yet
+    except KeyboardInterrupt:  # Ctrl-C while building or waiting: one line, no traceback, nothing half-built kept
+        shutil.rmtree(f"{path}.tmp{os.getpid()}", ignore_errors=True)
+        if talk:
+            _say(f"interrupted while building or waiting for {what}; nothing of it is kept (the next run builds it)")
+        raise SystemExit(130) from None
     return path
 
 

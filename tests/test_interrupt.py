@@ -169,3 +169,29 @@ def test_the_other_group_trainers_skip_a_step_without_signal_too(tmp_path, tiny_
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: steps 1-3 had no learning signal (every advantage "
                                                          "0; updates skipped)"), warnings
+
+
+BUILD = """
+import os, sys, time
+from grounds.cache import build_once
+def build(tmp):
+    os.makedirs(tmp)
+    open(os.path.join(tmp, "half"), "w").close()
+    print("building", flush=True)
+    time.sleep(120)
+build_once(sys.argv[1], lambda: os.path.exists(os.path.join(sys.argv[1], "half")), build, what="a test model")
+"""
+
+
+def test_ctrl_c_during_a_model_build_is_one_line_and_keeps_nothing_half_built(tmp_path):
+    path = str(tmp_path / "model")
+    child = subprocess.Popen([sys.executable, "-c", BUILD, path], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert child.stdout.readline() == "building\n"
+    child.send_signal(signal.SIGINT)
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 130 and "Traceback" not in out, out
+    assert out.strip() == "interrupted while building or waiting for a test model; nothing of it is kept (the next " \
+                          "run builds it)"
+    assert sorted(os.listdir(tmp_path)) == ["model.lock"]  # no folder, no temporary one
