@@ -1,0 +1,112 @@
+"""What the claim benchmarks share (benchmarks/*_smollm2.py): a training run that outlives its session.
+
+A claim's arms take hours of this CPU, more than a session has, and a new session's checkout has no run folders. So
+every finished run is kept as a record in the repository, benchmarks/runs/<benchmark>/<run name>.json (its
+args.json, its metric rows, its own seconds, and what the benchmark measured on its final weights), and
+`finished_run` returns, in this order: the record of a run with the same arguments; a finished run folder (recorded
+now); an interrupted run continued from its last checkpoint by the trainer's own --resume (the same numbers as a run
+never stopped); a fresh run. A benchmark is then one command, rerun until its report says it is complete.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+from common.checkpoint import find_checkpoint
+from common.logger import read_metrics
+
+DERIVED = ("batch_size", "minibatch_size", "resume", "save_every")
+"""args.json fields that do not make a run different: filled in after the start, or without effect on its numbers"""
+
+
+def same_args(saved: dict, now: dict, defaults: dict) -> bool:
+    """Whether a run's saved arguments are the run `now` asks for. A flag added to Args since the run was made counts
+    as the same while it keeps its default; the DERIVED fields are not compared.
+
+    >>> same_args({"a": 1, "batch_size": 32}, {"a": 1, "b": 0, "batch_size": 0}, {"a": 0, "b": 0, "batch_size": 0})
+    True
+    >>> same_args({"a": 1}, {"a": 1, "b": 2}, {"a": 0, "b": 0})
+    False
+    """
+    return saved.keys() <= now.keys() and all(saved.get(k, defaults[k]) == v for k, v in now.items()
+                                              if k not in DERIVED)
+
+
+def _as_json(args) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(args)))
+
+
+def folder_state(module, args) -> str:
+    """What output_dir/run_name holds for these arguments: 'finished' (its final evaluation is logged at
+    --total-steps), 'resume' (a checkpoint of this run), 'stale' (another run, or one stopped before its first
+    checkpoint) or 'fresh' (nothing)."""
+    run_dir = os.path.join(args.output_dir, args.run_name)
+    if not os.path.exists(run_dir):
+        return "fresh"
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            saved = json.load(f)
+        rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    except (OSError, ValueError, SystemExit):
+        return "stale"
+    if not same_args(saved, _as_json(args), _as_json(module.Args())):
+        return "stale"
+    evals = [r for r in rows if "eval/greedy_accuracy" in r]
+    if len(evals) >= 2 and evals[-1]["step"] == args.total_steps:
+        return "finished"
+    return "resume" if find_checkpoint(run_dir) else "stale"
+
+
+def run_seconds(run_dir: str, rows: list) -> float:
+    """The run's own time from its metric rows: the first evaluation (counted from args.json, written at the start,
+    so with the model's load), the steps' perf/step_time and the final evaluation (with the last checkpoint). Steps
+    lost to an interruption and the model loads of later sessions are not counted."""
+    steps = [r for r in rows if "perf/step_time" in r]
+    evals = [r for r in rows if "eval/greedy_accuracy" in r]
+    start = os.path.getmtime(os.path.join(run_dir, "args.json"))
+    seconds = (evals[0]["time"] - start if evals else 0.0) + sum(r["perf/step_time"] for r in steps)
+    if len(evals) >= 2 and steps:
+        seconds += evals[-1]["time"] - steps[-1]["time"]
+    return seconds
+
+
+def finished_run(module, args, record_dir: str, measure=None) -> dict:
+    """The record of the run `module.main(args)` makes: {"args", "rows", "seconds", "measured"}, read back from
+    record_dir/<run_name>.json when it holds a run with the same arguments, else made from the run folder (finished,
+    continued from its checkpoint, or run from the start; a stale folder is kept beside it as <name>.stale-<time>).
+    `measure(run_dir) -> dict` runs once on the finished folder (its checkpoint holds the final weights) and its
+    result is kept in the record."""
+    path = os.path.join(record_dir, f"{args.run_name}.json")
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if same_args(record["args"], _as_json(args), _as_json(module.Args())):
+            print(f"{args.run_name}: read back from {os.path.relpath(path)}")
+            return record
+        print(f"{args.run_name}: {os.path.relpath(path)} is a run with other arguments; running this one")
+    except (OSError, ValueError, KeyError):
+        pass
+    run_dir = os.path.join(args.output_dir, args.run_name)
+    state = folder_state(module, args)
+    if state == "stale":
+        aside = f"{run_dir}.stale-{int(time.time())}"
+        print(f"{args.run_name}: {run_dir} holds another or an unsaved run; moved to {aside}, starting afresh")
+        shutil.move(run_dir, aside)
+    elif state == "resume":
+        print(f"{args.run_name}: continuing the interrupted run in {run_dir} from its checkpoint")
+        args.resume = run_dir  # the trainer keeps args.json and drops the metric rows after the checkpoint
+    if state != "finished":
+        module.main(args)
+    with open(os.path.join(run_dir, "args.json")) as f:
+        saved = json.load(f)
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    record = {"args": saved, "rows": rows, "seconds": run_seconds(run_dir, rows),
+              "measured": measure(run_dir) if measure else {}}
+    os.makedirs(record_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, separators=(",", ":"))
+    os.replace(path + ".tmp", path)
+    print(f"{args.run_name}: recorded in {os.path.relpath(path)}")
+    return record

@@ -1,0 +1,123 @@
+"""The claim benchmarks' bookkeeping, without a model (benchmarks/claim_runs.py): a run kept as a record is read back,
+a finished run folder is recorded, an interrupted one resumes from its checkpoint, anything else starts afresh; and
+the OC-GRPO benchmark's sample-matched group size and verdict rule."""
+
+import dataclasses
+import json
+import os
+import types
+
+import oc_grpo
+from benchmarks import claim_runs
+from benchmarks import oc_grpo_smollm2 as bench
+
+
+def make_run(args, steps_logged: int, final_eval: bool, checkpoint: bool, **changed) -> str:
+    """A run folder as the trainer leaves it: args.json (derived sizes filled in), metric rows, a checkpoint."""
+    run_dir = os.path.join(args.output_dir, args.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    saved = {**json.loads(json.dumps(dataclasses.asdict(args))), "batch_size": 32, "minibatch_size": 32, **changed}
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(saved, f)
+    rows = [{"step": 0, "time": 1.0, "eval/greedy_accuracy": 0.1}]
+    rows += [{"step": s, "time": 1.0 + s, "reward/mean": 0.0, "perf/step_time": 2.0}
+             for s in range(1, steps_logged + 1)]
+    if final_eval:
+        rows.append({"step": args.total_steps, "time": 20.0, "eval/greedy_accuracy": 0.2})
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    if checkpoint:
+        os.makedirs(os.path.join(run_dir, "checkpoint"), exist_ok=True)
+        open(os.path.join(run_dir, "checkpoint", "trainer_state.pt"), "w").close()
+    return run_dir
+
+
+def fake_trainer(calls: list):
+    """oc_grpo's Args with a main that records its --resume and leaves a finished run folder, as the real one does."""
+    def main(a):
+        calls.append(a.resume)
+        make_run(a, a.total_steps, final_eval=True, checkpoint=True)
+    return types.SimpleNamespace(Args=oc_grpo.Args, main=main)
+
+
+def args_in(tmp_path, **kw):
+    return oc_grpo.Args(output_dir=str(tmp_path / "runs"), run_name="r", **{"total_steps": 3, **kw})
+
+
+def test_a_finished_folder_is_recorded_once_and_read_back_from_the_record(tmp_path):
+    args, calls, measured = args_in(tmp_path), [], []
+    make_run(args, 3, final_eval=True, checkpoint=True)
+    assert claim_runs.folder_state(oc_grpo, args) == "finished"
+    record = claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"),
+                                     lambda d: measured.append(d) or {"x": 1})
+    assert calls == [] and measured == [str(tmp_path / "runs" / "r")]  # not rerun; measured on the final weights
+    assert record["measured"] == {"x": 1} and [r["step"] for r in record["rows"]] == [0, 1, 2, 3, 3]
+    os.rename(tmp_path / "runs", tmp_path / "gone")  # a new session's checkout: no run folders
+    again = claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), lambda d: measured.append(d))
+    assert again == json.loads(json.dumps(record)) and calls == [] and len(measured) == 1
+
+
+def test_a_record_of_other_arguments_is_not_read_back(tmp_path):
+    args, calls = args_in(tmp_path), []
+    claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))
+    assert calls == [""]  # nothing there: a fresh run
+    other = dataclasses.replace(args, learning_rate=1e-3, output_dir=str(tmp_path / "elsewhere"))
+    record = claim_runs.finished_run(fake_trainer(calls), other, str(tmp_path / "rec"))
+    assert calls == ["", ""] and record["args"]["learning_rate"] == 1e-3
+
+
+def test_a_flag_added_later_at_its_default_is_the_same_run(tmp_path):
+    args = args_in(tmp_path)
+    run_dir = make_run(args, 3, final_eval=True, checkpoint=True)
+    with open(os.path.join(run_dir, "args.json")) as f:
+        saved = json.load(f)
+    del saved["is_clip_min"]  # as if the flag did not exist when the run was made
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(saved, f)
+    assert claim_runs.folder_state(oc_grpo, args) == "finished"
+    assert claim_runs.folder_state(oc_grpo, dataclasses.replace(args, is_clip_min=0.3)) == "stale"
+    assert claim_runs.folder_state(oc_grpo, dataclasses.replace(args, save_every=7)) == "finished"  # no effect
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint(tmp_path):
+    args, calls = args_in(tmp_path, total_steps=6), []
+    make_run(args, 4, final_eval=False, checkpoint=True)
+    claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))
+    assert calls == [str(tmp_path / "runs" / "r")]  # --resume the run folder
+
+
+def test_another_or_unsaved_run_is_moved_aside_and_started_afresh(tmp_path):
+    args, calls = args_in(tmp_path, total_steps=6), []
+    make_run(args, 2, final_eval=False, checkpoint=False)  # killed before its first checkpoint
+    claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))
+    assert calls == [""] and [p for p in os.listdir(tmp_path / "runs") if p.startswith("r.stale-")]
+    make_run(args, 6, final_eval=True, checkpoint=True, learning_rate=1e-3)  # other arguments
+    assert claim_runs.folder_state(oc_grpo, args) == "stale"
+    assert claim_runs.folder_state(oc_grpo, dataclasses.replace(args, run_name="absent")) == "fresh"
+
+
+def test_seconds_are_the_runs_own(tmp_path):
+    args = args_in(tmp_path)
+    run_dir = make_run(args, 3, final_eval=True, checkpoint=True)
+    os.utime(os.path.join(run_dir, "args.json"), (0.0, 0.0))
+    rows = claim_runs.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert claim_runs.run_seconds(run_dir, rows) == 1.0 + 3 * 2.0 + (20.0 - 4.0)  # first eval, steps, final eval
+
+
+def test_sample_matched_group_size_counts_the_cascades_draws():
+    rows = [{"guide/zero_reward_groups": 2.0, "guide/rescued_groups": 1.0, "guide/groups_at_f1": 1.0},
+            {"guide/zero_reward_groups": 0.0, "guide/rescued_groups": 0.0, "guide/groups_at_f1": 0.0}]
+    assert bench.matched_group_size(rows, 8, 4) == 10  # (48 + 32) / 2 completions a step over 4 prompts
+    two = [{"guide/zero_reward_groups": 1.0, "guide/rescued_groups": 1.0, "guide/groups_at_f0.5": 0.0,
+            "guide/groups_at_f1": 1.0}]
+    assert bench.matched_group_size(two, 8, 4) == 12  # rescued at the second fraction: two tries
+
+
+def test_verdict_needs_both_controls_beaten_beyond_the_noise_on_every_seed():
+    def res(oc, grpo, matched):
+        return {(arm, 1): {"after": {3: a}} for arm, a in zip(bench.VERDICT_ARMS, (oc, grpo, matched))}
+
+    assert bench.verdict(res(0.5, 0.0, 0.0), [1], 40)[0] == "shown"
+    assert bench.verdict(res(0.5, 0.0, 0.45), [1], 40)[0] == "partly"
+    assert bench.verdict(res(0.025, 0.0, 0.0), [1], 40)[0] == "not shown"  # one problem: within the noise
+    assert bench.verdict({}, [], 40)[0] is None
