@@ -187,7 +187,7 @@ MADA_TINY = ["--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
              "--num-generators", "2", "--num-critics", "1", "--generator-steps", "1", "--critic-steps", "1",
              "--num-train-problems", "40", "--lora-r", "4"]
 SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its sandbox; direct_opd: teachers given)
-    "rloo_sec": [*TINY, "--total-steps", "2"],
+    "rloo_sec": [*TINY, "--total-steps", "2", "--no-save-optimizer"],  # weights only: no shards
     "oc_grpo": [*TINY, "--total-steps", "2", "--levels", "4", "--group-size", "4", "--micro-batch-size", "1"],
     "adakp": [*TINY, "--total-steps", "2", "--proxy-batch-size", "2", "--correction", "per_token",
               "--micro-batch-size", "1"],
@@ -232,12 +232,23 @@ def test_fsdp_smoke_run_under_torchrun(smoke_runs, trainer):
     """2 ranks, --fsdp: 2 steps, metrics logged once, a sharded checkpoint with each rank's shard file and a
     consolidated model.safetensors. direct_opd.py with its reference and both teachers sharded; oc_grpo.py and
     adakp.py with work that differs between ranks (guidance cascade, hint and entropy-proxy passes), padded; rlpf.py
-    with its code model and sandbox."""
+    with its code model and sandbox; rloo_sec.py with --no-save-optimizer: the consolidated weights alone, which
+    load as a model and which --resume refuses."""
     rows = _rows(smoke_runs[trainer])
     assert sorted(rows) == [1, 2] and all(torch.isfinite(torch.tensor(x["reward/mean"])) for x in rows.values())
     ckpt = smoke_runs[trainer] / "checkpoint"
-    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "sharded"))
     assert os.path.exists(ckpt / "model.safetensors")
+    if "--no-save-optimizer" not in SMOKE[trainer]:
+        assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "sharded"))
+        return
+    from common.checkpoint import open_checkpoint
+    from common.models import load_model
+
+    assert not os.path.exists(ckpt / "sharded")
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["weights_only"]
+    assert sum(p.numel() for p in load_model(str(ckpt)).parameters()) > 0
+    with pytest.raises(SystemExit, match="^error: --resume .*weights only"):
+        open_checkpoint(str(smoke_runs[trainer]), 0, 1)
 
 
 def test_mada_rl_two_rank_lora_update_equals_one_process_update(update_results):

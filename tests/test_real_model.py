@@ -102,10 +102,10 @@ def test_direct_opd_student_smollm2_with_itself_before_and_after_grpo_as_teacher
 
 
 def test_mada_rl_lora_agents_on_llama_modules(tmp_path, smollm2_dir):
-    cut = NL.index("--eval-samples")
-    no_sampled_eval = NL[:cut] + NL[cut + 2:]
-    out = mada_rl.main(tyro.cli(mada_rl.Args, args=[  # the debate is evaluated greedily: no --eval-samples flag
-        *no_sampled_eval, "--num-generators", "1", "--num-critics", "1", "--generator-steps", "1", "--critic-steps", "1",
+    cut = NL.index("--eval-samples")  # the debate is evaluated greedily: no --eval-samples flag, and mada_rl.py
+    flags = [f for f in NL[:cut] + NL[cut + 2:] if f != "--no-save-optimizer"]  # writes adapters, not checkpoints
+    out = mada_rl.main(tyro.cli(mada_rl.Args, args=[
+        *flags, "--num-generators", "1", "--num-critics", "1", "--generator-steps", "1", "--critic-steps", "1",
         "--num-train-problems", "8", "--lora-r", "2", "--output-dir", str(tmp_path)]))
     assert out["params"]["mada/trainable_params_per_agent"] < 0.05 * out["params"]["mada/base_params"]
     assert os.path.isfile(os.path.join(out["run_dir"], "adapters", "critic0", "adapter_config.json"))
