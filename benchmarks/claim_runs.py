@@ -110,3 +110,21 @@ def finished_run(module, args, record_dir: str, measure=None) -> dict:
     os.replace(path + ".tmp", path)
     print(f"{args.run_name}: recorded in {os.path.relpath(path)}")
     return record
+
+
+def cached(path: str, settings: dict, measure) -> dict:
+    """`measure()` with "settings" added, read back from the record `path` when it was made with the same `settings`,
+    else measured and written there (atomically): a measurement of a model that a rerun need not repeat."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["settings"] == settings:
+            return saved
+    except (OSError, ValueError, KeyError):
+        pass
+    res = {**measure(), "settings": settings}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return res

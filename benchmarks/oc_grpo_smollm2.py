@@ -29,7 +29,6 @@ the trainer's own --resume. Rerun the same command until the report says it is c
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ import tyro  # noqa: E402
 
 import grpo  # noqa: E402
 import oc_grpo  # noqa: E402
-from benchmarks.claim_runs import finished_run  # noqa: E402
+from benchmarks.claim_runs import cached, finished_run  # noqa: E402
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
 from common.evaluate import pass_at_k  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
@@ -118,24 +117,15 @@ def probe(model, base, tokenizer, problems: list, k: int, max_new_tokens: int, s
 def cached_probe(path: str, settings: dict, model_dir: str, with_kl: bool, problems: list) -> dict:
     """The probe of the model in `model_dir` (with the KL to the initial model if `with_kl`), read back from `path`
     when it was made with the same settings, else measured and written there."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        if saved["settings"] == settings:
-            return saved
-    except (OSError, ValueError, KeyError):
-        pass
-    t0 = time.time()
-    base_dir = path_of(MODEL)
-    tokenizer = load_tokenizer(base_dir)  # the trainers' tokenizer: the chat template's default system turn
-    model = load_model(model_dir).eval()
-    base = load_model(base_dir).eval() if with_kl else None
-    res = probe(model, base, tokenizer, problems, settings["k"], settings["max_new_tokens"], settings["seed"])
-    res = {**res, "settings": settings, "seconds": time.time() - t0}
-    with open(path + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(path + ".tmp", path)
-    return res
+    def measure():
+        t0, base_dir = time.time(), path_of(MODEL)
+        tokenizer = load_tokenizer(base_dir)  # the trainers' tokenizer: the chat template's default system turn
+        model = load_model(model_dir).eval()
+        base = load_model(base_dir).eval() if with_kl else None
+        res = probe(model, base, tokenizer, problems, settings["k"], settings["max_new_tokens"], settings["seed"])
+        return {**res, "seconds": time.time() - t0}
+
+    return cached(path, settings, measure)
 
 
 # --- summaries, verdict, report, plot ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ benchmarks/testbed_premises_smollm2.md:
   knowledge  (AdaKP) levels 2 and 4: the helpful knowledge points raise accuracy >= 0.15 over none; the distractors
              alone move it by < 0.05
   proposals  (MADA-RL) level 2, three proposals: one right raises accuracy >= 0.10 over none; three wrong keep it
-             >= half of none
+             >= half of none; shown as bare answers and as worked responses (what mada_rl.py's critics read)
 
     python benchmarks/testbed_premises.py --ground smollm2 --after runs/grpo_smollm2/checkpoint
 
@@ -66,9 +66,15 @@ def hinted_prompt(p, tok, helpful: bool) -> str:
     return render_prompt(p, tok, hints=[h for h, ok in zip(p.hints, p.hint_helpful) if ok == helpful])
 
 
-def critic_prompt(p, tok, n_right: int, rng: random.Random) -> str:
-    """mada_rl's critic prompt with three proposals, n_right of them the answer, the others near misses."""
-    props = [p.answer] * n_right + [near_miss(int(p.answer), rng) for _ in range(3 - n_right)]
+def critic_prompt(p, tok, n_right: int, rng: random.Random, responses: bool = False) -> str:
+    """mada_rl's critic prompt with three proposals, n_right of them right, the others near misses: bare answers
+    (`--critic-sees answers`) or, with `responses`, worked responses as a critic reads them by default: the problem's
+    worked solution, and for a wrong one the same with a near miss in place of the answer (its last step and final
+    answer wrong: 'Then 100 + 6 = 107. The answer is 107.')."""
+    wrong = [near_miss(int(p.answer), rng) for _ in range(3 - n_right)]
+    props = [p.answer] * n_right + wrong
+    if responses:
+        props = [p.solution] * n_right + [p.solution.replace(p.answer, w) for w in wrong]
     rng.shuffle(props)
     return render_critic_prompt(p, props, tok)
 
@@ -196,11 +202,20 @@ def measure_pretrained(path: str, n: int, seed: int = 0) -> dict:
     for lv in NL_KP:
         m[f"L{lv}, helpful hints"] = acc(lv, lambda p: hinted_prompt(p, tok, True))
         m[f"L{lv}, distractor hints"] = acc(lv, lambda p: hinted_prompt(p, tok, False))
-    rng = random.Random(seed)
     for lv in NL_PROPOSALS:
-        m[f"L{lv}, 1 of 3 proposals right"] = acc(lv, lambda p: critic_prompt(p, tok, 1, rng))
-        m[f"L{lv}, 0 of 3 proposals right"] = acc(lv, lambda p: critic_prompt(p, tok, 0, rng))
+        m.update(proposal_cells(model, tok, test[lv], lv, seed))
     m["s: all cells"] = round(time.time() - t0)
+    return m
+
+
+def proposal_cells(model, tok, problems: list, lv: int, seed: int = 0) -> dict:
+    """MADA-RL's critic premise on level `lv`'s `problems`: greedy accuracy with 1 and with 0 of 3 proposals right,
+    shown as bare answers and as worked responses (critic_prompt)."""
+    rng, m = random.Random(seed), {}
+    for shown, responses in (("proposals", False), ("responses", True)):
+        for right in (1, 0):
+            m[f"L{lv}, {right} of 3 {shown} right"] = nl_accuracy(
+                model, tok, problems, [critic_prompt(p, tok, right, rng, responses) for p in problems])
     return m
 
 
@@ -216,9 +231,16 @@ def premises_pretrained(m: dict) -> list[tuple[str, str, bool]]:
         rows.append((f"knowledge: L{lv} helpful hints - none >= 0.15", f"{h:.3f} - {none:.3f}", h - none >= 0.15))
         rows.append((f"knowledge: L{lv} abs(distractors - none) < 0.05", f"{d:.3f} - {none:.3f}", abs(d - none) < 0.05))
     for lv in NL_PROPOSALS:
-        one, zero, none = m[f"L{lv}, 1 of 3 proposals right"], m[f"L{lv}, 0 of 3 proposals right"], m[f"L{lv}"]
-        rows.append((f"proposals: L{lv} 1 of 3 right - none >= 0.10", f"{one:.3f} - {none:.3f}", one - none >= 0.10))
-        rows.append((f"proposals: L{lv} 0 of 3 right >= none / 2", f"{zero:.3f} vs {none:.3f}", zero >= none / 2))
+        rows += proposal_premises(m, lv)
+    return rows
+
+
+def proposal_premises(m: dict, lv: int) -> list[tuple[str, str, bool]]:
+    rows, none = [], m[f"L{lv}"]
+    for shown in ("proposals", "responses"):
+        one, zero = m[f"L{lv}, 1 of 3 {shown} right"], m[f"L{lv}, 0 of 3 {shown} right"]
+        rows.append((f"{shown}: L{lv} 1 of 3 right - none >= 0.10", f"{one:.3f} - {none:.3f}", one - none >= 0.10))
+        rows.append((f"{shown}: L{lv} 0 of 3 right >= none / 2", f"{zero:.3f} vs {none:.3f}", zero >= none / 2))
     return rows
 
 
