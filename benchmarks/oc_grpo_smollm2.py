@@ -42,7 +42,7 @@ import tyro  # noqa: E402
 
 import grpo  # noqa: E402
 import oc_grpo  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run  # noqa: E402
+from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
 from common.evaluate import pass_at_k  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
@@ -153,17 +153,6 @@ def summarise(record: dict) -> dict:
         "entropy_last": float(np.mean([r["policy/entropy"] for r in tail])) if tail else float("nan"),
         "grad_norm_max": max((r["optim/grad_norm"] for r in trained), default=float("nan")),
     }
-
-
-def margin(a: float, b: float, n: int) -> float:
-    """Half-width of the 95 % interval of the difference of two accuracies on n problems each, at their pooled
-    accuracy (a two-proportion z-test): a difference beyond it is 'beyond the noise'.
-
-    >>> round(margin(0.1, 0.0, 40), 3), margin(0.0, 0.0, 40)
-    (0.096, 0.0)
-    """
-    p = (a + b) / 2
-    return 1.96 * (2 * p * (1 - p) / n) ** 0.5
 
 
 def verdict(res: dict, seeds: list, n: int) -> tuple[str | None, list]:
