@@ -281,6 +281,8 @@ def plot(res: dict, out: str) -> None:
             axes[2].plot([x["step"] for x in trained][4:], window([x["policy/entropy"] for x in trained]) / 5, **style)
     titles = ("all-fail groups rescued (OC arms)", "groups with a learning signal", "policy entropy, trained rows")
     for ax, title in zip(axes, titles):
+        if ax is not axes[2]:  # the two fractions
+            ax.set_ylim(-0.02, 1.02)
         ax.set_title(title + " (5-step windows)", fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
