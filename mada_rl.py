@@ -132,6 +132,7 @@ from tqdm import tqdm
 from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, is_sharded, rank_world,
                          shard_models)
+from common.evaluate import answer_bar
 from common.logger import RunLogger, sample_rows
 from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
                            load_tokenizer, use_adapter)
@@ -320,8 +321,7 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
     answers as they end (as common.evaluate does), cleared when done."""
     answers, cut = [], []
     total = len(problems) * (len(generators) + (rounds - 1) * len(critics))
-    bar = tqdm(total=total, desc=f"held-out debate, {len(problems)} problems (up to {max_new_tokens} new tokens an "
-               "answer)", bar_format="{desc}: {n}/{total} answers", disable=rank_world()[0] != 0, leave=False)
+    bar = answer_bar(total, f"held-out debate, {len(problems)} problems", max_new_tokens)
     engine.on_answers = bar.update  # HFEngine counts answers as they end
     for r in range(rounds):
         texts = ([render_prompt(p, tokenizer) for p in problems] if r == 0 else

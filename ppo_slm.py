@@ -180,9 +180,9 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, local_part, shard_models
+from common.evaluate import answer_bar
 from common.logger import RunLogger, read_metrics, sample_rows
 from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
 from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
@@ -390,9 +390,8 @@ def main(args: Args) -> dict:
 
     def run_eval(model) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
         """RM score and verifier correctness of one sample per held-out prompt, and greedy accuracy."""
-        bar = tqdm(total=len(eval_ids) * (1 + is_testbed), desc=f"held-out evaluation, {len(eval_ids)} prompts (up "
-                   f"to {args.max_new_tokens} new tokens an answer)", bar_format="{desc}: {n}/{total} answers",
-                   disable=rank != 0, leave=False)
+        bar = answer_bar(len(eval_ids) * (1 + is_testbed), f"held-out evaluation, {len(eval_ids)} prompts",
+                         args.max_new_tokens)
         rollouts = generate(model, eval_ids, FiniteLogits(), bar=bar)
         s_B = sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
         out, c_B = {"eval/rm_score": s_B.mean().item()}, None

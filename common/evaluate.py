@@ -22,6 +22,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def answer_bar(total: int, what: str, max_new_tokens: int) -> tqdm:
+    """Rank 0's bar over `total` answers (`what (up to N new tokens an answer): k/total answers`) for an engine's
+    `on_answers`; no clock (the answers of one batch end together, the cut ones last), cleared when closed."""
+    return tqdm(total=total, desc=f"{what} (up to {max_new_tokens} new tokens an answer)", leave=False,
+                bar_format="{desc}: {n}/{total} answers", disable=rank_world()[0] != 0)
+
+
 def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0, temperature: float = 1.0,
              pass_k: int = 0, max_prompt_tokens: int = 0, log_samples: int = 0, top_p: float = 1.0) -> dict:
     """eval/greedy_accuracy (and per level) over eval/num_problems problems, eval/format_rate (greedy answers in the
@@ -35,9 +42,7 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
         return {}
     rank, world = rank_world()
     counted, share = len(problems[rank::world]), problems[rank::world] or problems[:1]
-    bar = tqdm(total=len(share) * (1 + num_samples), desc=f"held-out evaluation, {len(problems)} problems (up to "
-               f"{max_new_tokens} new tokens an answer)", bar_format="{desc}: {n}/{total} answers", disable=rank != 0,
-               leave=False)  # no clock: the answers of one batch end together, the cut ones last
+    bar = answer_bar(len(share) * (1 + num_samples), f"held-out evaluation, {len(problems)} problems", max_new_tokens)
     engine.on_answers = bar.update  # common.rollout.HFEngine counts answers as they end (vllm's: none till the end)
     prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in share], max_prompt_tokens)
     greedy = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
