@@ -68,7 +68,8 @@ def report(cols: dict, cli, grpo_record: dict) -> str:
                else "premise fails")
     lines = ["# MADA-RL on SmolLM2-135M-Instruct (issue 42): the critic premise", "",
              f"`python benchmarks/mada_smollm2.py --steps {cli.steps} --num-eval-problems {n}`, "
-             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). Greedy accuracy on {n} "
+             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). "
+             f"Greedy accuracy on {n} "
              f"held-out level-{LEVEL} problems of testbed-nl (up to 64 new tokens; a cut answer scores 0), alone and "
              "as a critic reading three proposals, as bare answers and as worked responses (a right one: the "
              "problem's worked solution; a wrong one: the same with a near miss in place of the answer). 'After "

@@ -198,8 +198,8 @@ def report(res: dict, cli, flags: list, base_probes: dict) -> str:
            "0.825 with the whole worked solution in the prompt, 0.025 with half of it. The premise weakens with "
            "training: after 30 GRPO steps on levels 1-2 the whole solution lifts level 3 to 0.250 only.",
            f"- Training mix: testbed-nl levels {', '.join(map(str, LEVELS))}, drawn uniformly (a third of the prompts "
-           "each). Level 3 is the cliff (0.000 greedy unguided: its groups fail whole); levels 1 and 2 are not (0.550 and "
-           "0.225 greedy zero-shot, testbed_premises_smollm2.md), so GRPO has a signal from the first step, and the "
+           "each). Level 3 is the cliff (0.000 greedy unguided: its groups fail whole); levels 1 and 2 are not "
+           "(0.550 and 0.225 greedy zero-shot, testbed_premises_smollm2.md), so GRPO has a signal from the first step, and the "
            "answer format it learns on level 1 carries over to level 2 (grpo_smollm2.md: levels 1-2, 30 steps, level "
            "2 0.15 -> 0.70). How much of the batch fails whole is in the table (groups without signal) and the plot. "
            f"With 4 prompts a step, {cli.steps} "

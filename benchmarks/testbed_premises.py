@@ -36,6 +36,7 @@ measured once. Premise 6 trains ppo_slm.py's SFT adapter and reward model (about
 import argparse
 import os
 import random
+import re
 import sys
 import time
 
@@ -74,7 +75,7 @@ def critic_prompt(p, tok, n_right: int, rng: random.Random, responses: bool = Fa
     wrong = [near_miss(int(p.answer), rng) for _ in range(3 - n_right)]
     props = [p.answer] * n_right + wrong
     if responses:
-        props = [p.solution] * n_right + [p.solution.replace(p.answer, w) for w in wrong]
+        props = [p.solution] * n_right + [re.sub(rf"\b{p.answer}\b", w, p.solution) for w in wrong]
     rng.shuffle(props)
     return render_critic_prompt(p, props, tok)
 

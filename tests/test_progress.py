@@ -1,6 +1,7 @@
 """A held-out evaluation is not silent: rank 0 shows a bar over the answers it generates (counted as they end, so it
-moves within one batch), says how many problems and how long an answer may be, and clears it when done; nothing of it reaches the metrics (so nor metrics.jsonl). The
-build lock's waiting lines and the warm start's bar are tested in tests/test_testbed.py."""
+moves within one batch), says how many problems and how long an answer may be, and clears it when done; nothing of
+it reaches the metrics (so nor metrics.jsonl). The build lock's waiting lines and the warm start's bar are tested in
+tests/test_testbed.py."""
 
 import json
 import os
@@ -26,7 +27,6 @@ def test_an_evaluation_shows_a_bar_over_its_answers_and_clears_it(tiny_model_dir
     assert console.err.rstrip(" \r").endswith("answers")  # then blanked out: leave=False
     assert console.err.endswith("\r") and console.out == ""  # the console's lines (stdout) are untouched
     assert all(k.startswith("eval/") for k in out) and out["eval/num_problems"] == 4  # no progress in the metrics
-
 
 
 def test_the_sampler_counts_answers_as_they_end_so_an_evaluation_bar_moves_within_one_batch(tiny_model_dir):
