@@ -85,12 +85,16 @@ def spearman(x, y) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def proxy_check(bench: Bench) -> dict:
-    tok = load_tokenizer(path_of(bench.model_name))
-    model = load_model(path_of(bench.model_name), "float32", "cpu")
-    engine = HFEngine(model, tok)
+def proxy_check(model_dir: str, dataset: str, level: int, num_problems: int, samples: int, max_new_tokens: int,
+                batch_size: int = 4096) -> dict:
+    """The entropy proxy against measured gains on `num_problems` training problems of `level`: score(k | {}) of
+    each KP (top-50 entropy on the 96-token probe, forwards of `batch_size` contexts) and the pass-rate gain of {k}
+    over no hint, from `samples` rollouts of each context at temperature 1 (a cut reply scores 0)."""
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, "float32", "cpu")
+    engine = HFEngine(model, tok, max_batch=min(batch_size, 512))
     torch.manual_seed(0)
-    problems = load_problems("testbed", "train", (bench.level,), bench.proxy_problems, 0)
+    problems = load_problems(dataset, "train", (level,), num_problems, 0)
     # scores: for each problem, S = {} and {k} for every k, all problems' contexts in one batched forward
     contexts, probes, owner = [], [], []
     for j, p in enumerate(problems):
@@ -99,19 +103,22 @@ def proxy_check(bench: Bench) -> dict:
             probes.append(adakp.probe_tokens(p, tok, 96))
             owner.append(j)
     t0 = time.time()
-    h, b, eps, passes = adakp.probe_entropy(model, contexts, probes, tok.pad_token_id, len(tok), 50, 4096)
+    h, b, eps, passes = adakp.probe_entropy(model, contexts, probes, tok.pad_token_id, len(tok), 50, batch_size)
     t_proxy = time.time() - t0
     # for comparison (not AdaKP's proxy): the mean NLL of the same probe, which also sees confident wrong answers
-    rows = attach(contexts, [(z, "", False) for z in probes], tok.pad_token_id)
-    with torch.no_grad():
-        logp_BC, _ = completion_logprobs(model, rows.input_ids_BT, rows.attention_mask_BT, rows.prompt_len)
-    nll = -(logp_BC * rows.completion_mask_BC).sum(1) / rows.completion_mask_BC.sum(1)
+    nll = []
+    for s in range(0, len(contexts), batch_size):
+        rows = attach(contexts[s : s + batch_size], [(z, "", False) for z in probes[s : s + batch_size]],
+                      tok.pad_token_id)
+        with torch.no_grad():
+            logp_BC, _ = completion_logprobs(model, rows.input_ids_BT, rows.attention_mask_BT, rows.prompt_len)
+        nll += (-(logp_BC * rows.completion_mask_BC).sum(1) / rows.completion_mask_BC.sum(1)).tolist()
     # measured gains: proxy_samples rollouts per context
     t0 = time.time()
-    out = engine.generate(contexts, n=bench.proxy_samples, temperature=1.0, max_new_tokens=8)
+    out = engine.generate(contexts, n=samples, temperature=1.0, max_new_tokens=max_new_tokens)
     t_gen = time.time() - t0
-    ok = np.array(score(out.texts, [problems[j] for j in owner for _ in range(bench.proxy_samples)]), dtype=float)
-    rate = ok.reshape(len(contexts), bench.proxy_samples).mean(1)
+    ok = np.array(score(out.texts, [problems[j] for j in owner for _ in range(samples)], out.truncated_B), dtype=float)
+    rate = ok.reshape(len(contexts), samples).mean(1)
     scores, nll_scores, gains, helpful, bounds = [], [], [], [], []
     at = 0
     for p in problems:
@@ -119,7 +126,7 @@ def proxy_check(bench: Bench) -> dict:
         base_h, base_r = h[at].item(), rate[at]
         for k in range(m):
             scores.append(base_h - h[at + 1 + k].item())
-            nll_scores.append(nll[at].item() - nll[at + 1 + k].item())
+            nll_scores.append(nll[at] - nll[at + 1 + k])
             gains.append(rate[at + 1 + k] - base_r)
             helpful.append(p.hint_helpful[k] if p.hint_helpful else None)
             bounds.append(max(b[at].item(), b[at + 1 + k].item()))
@@ -138,8 +145,30 @@ def proxy_check(bench: Bench) -> dict:
         "median_abs_score": float(np.median(np.abs(scores))), "bound_median": float(np.median(bounds)),
         "bound_max": float(np.max(bounds)), "eps_mean": float(eps.mean()),
         "proxy_forwards": passes, "proxy_contexts": len(contexts), "proxy_seconds": t_proxy,
-        "loo_generations": bench.proxy_samples * len(contexts), "generation_seconds": t_gen,
+        "loo_generations": samples * len(contexts), "generation_seconds": t_gen,
     }
+
+
+def proxy_lines(proxy: dict, level: int, samples: int, probe: str) -> list[str]:
+    """The proxy check's table (proxy_check's dict)."""
+    return [f"{proxy['problems']} level-{level} training problems, {proxy['pairs']} (problem, KP) pairs; "
+            f"score(k | {{}}) from top-50 truncated entropy on the probe ({probe}); gain = pass rate with "
+            f"{{k}} minus pass rate with no hint, {samples} samples each (no-hint pass rate "
+            f"{proxy['base_pass_rate']:.3f}).", "",
+            "| quantity | value |", "|---|---|",
+            f"| Spearman(score, measured gain) | {proxy['spearman']:.3f} |",
+            f"| Spearman(score, helpful label) | {proxy['spearman_helpful_label']:.3f} |",
+            f"| for comparison, probe-NLL reduction instead of entropy: Spearman with gain / with label | "
+            f"{proxy['spearman_nll']:.3f} / {proxy['spearman_nll_helpful_label']:.3f} |",
+            f"| mean score: helpful / distractor (nats) | {proxy['score_helpful']:.4f} / "
+            f"{proxy['score_distractor']:.4f} |",
+            f"| mean gain: helpful / distractor | {proxy['gain_helpful']:.3f} / {proxy['gain_distractor']:.3f} |",
+            f"| median abs score / median truncation bound / max bound | {proxy['median_abs_score']:.4f} / "
+            f"{proxy['bound_median']:.2e} / {proxy['bound_max']:.2e} |",
+            f"| cost: contexts scored / no-grad forwards | {proxy['proxy_contexts']} / {proxy['proxy_forwards']} "
+            f"({proxy['proxy_seconds']:.1f} s) |",
+            f"| cost of measuring the same gains by rollouts (G x contexts) | {proxy['loo_generations']} "
+            f"generations ({proxy['generation_seconds']:.1f} s) |"]
 
 
 def run_one(bench: Bench, arm: str, seed: int) -> dict:
@@ -163,28 +192,12 @@ def run_one(bench: Bench, arm: str, seed: int) -> dict:
 def main(bench: Bench) -> None:
     torch.set_num_threads(bench.threads)
     lines = ["# AdaKP benchmark", "", f"`python benchmarks/adakp_benchmark.py` with {bench}", ""]
-    proxy = proxy_check(bench) if bench.proxy_problems else None
+    proxy = (proxy_check(path_of(bench.model_name), "testbed", bench.level, bench.proxy_problems,
+                         bench.proxy_samples, 8) if bench.proxy_problems else None)
     if proxy:
         print(json.dumps(proxy, indent=1))
-        lines += ["## The proxy (initial policy)", "",
-                  f"{proxy['problems']} level-{bench.level} training problems, {proxy['pairs']} (problem, KP) pairs; "
-                  f"score(k | {{}}) from top-50 truncated entropy on the probe (answer + eos); gain = pass rate with "
-                  f"{{k}} minus pass rate with no hint, {bench.proxy_samples} samples each (no-hint pass rate "
-                  f"{proxy['base_pass_rate']:.3f}).", "",
-                  "| quantity | value |", "|---|---|",
-                  f"| Spearman(score, measured gain) | {proxy['spearman']:.3f} |",
-                  f"| Spearman(score, helpful label) | {proxy['spearman_helpful_label']:.3f} |",
-                  f"| for comparison, probe-NLL reduction instead of entropy: Spearman with gain / with label | "
-                  f"{proxy['spearman_nll']:.3f} / {proxy['spearman_nll_helpful_label']:.3f} |",
-                  f"| mean score: helpful / distractor (nats) | {proxy['score_helpful']:.4f} / "
-                  f"{proxy['score_distractor']:.4f} |",
-                  f"| mean gain: helpful / distractor | {proxy['gain_helpful']:.3f} / {proxy['gain_distractor']:.3f} |",
-                  f"| median abs score / median truncation bound / max bound | {proxy['median_abs_score']:.4f} / "
-                  f"{proxy['bound_median']:.2e} / {proxy['bound_max']:.2e} |",
-                  f"| cost: contexts scored / no-grad forwards | {proxy['proxy_contexts']} / {proxy['proxy_forwards']} "
-                  f"({proxy['proxy_seconds']:.1f} s) |",
-                  f"| cost of measuring the same gains by rollouts (G x contexts) | {proxy['loo_generations']} "
-                  f"generations ({proxy['generation_seconds']:.1f} s) |", ""]
+        lines += ["## The proxy (initial policy)", "", *proxy_lines(proxy, bench.level, bench.proxy_samples,
+                                                                     "answer + eos"), ""]
     results = []
     for seed in bench.seeds:
         for arm in bench.arms:

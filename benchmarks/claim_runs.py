@@ -17,8 +17,9 @@ import time
 from common.checkpoint import find_checkpoint
 from common.logger import read_metrics
 
-DERIVED = ("batch_size", "minibatch_size", "resume", "save_every")
-"""args.json fields that do not make a run different: filled in after the start, or without effect on its numbers"""
+DERIVED = ("batch_size", "minibatch_size", "resume", "save_every", "output_dir")
+"""args.json fields that do not make a run different: filled in after the start, or without effect on its numbers
+(output_dir: a clone elsewhere, or another benchmark's folder of the same run, is the same run)"""
 
 
 def same_args(saved: dict, now: dict, defaults: dict) -> bool:
@@ -72,14 +73,17 @@ def run_seconds(run_dir: str, rows: list) -> float:
     return seconds
 
 
-def finished_run(module, args, record_dir: str, measure=None) -> dict:
+def finished_run(module, args, record_dir: str, measure=None, weights: bool = False) -> dict:
     """The record of the run `module.main(args)` makes: {"args", "rows", "seconds", "measured"}, read back from
     record_dir/<run_name>.json when it holds a run with the same arguments, else made from the run folder (finished,
     continued from its checkpoint, or run from the start; a stale folder is kept beside it as <name>.stale-<time>).
     `measure(run_dir) -> dict` runs once on the finished folder (its checkpoint holds the final weights) and its
-    result is kept in the record."""
+    result is kept in the record. weights=True: the caller needs the final weights too (a benchmark that starts
+    from them), so the record is read back only beside a finished run folder; without one the run is made again."""
     path = os.path.join(record_dir, f"{args.run_name}.json")
     try:
+        if weights and folder_state(module, args) != "finished":
+            raise OSError("the record has no weights")
         with open(path) as f:
             record = json.load(f)
         if same_args(record["args"], _as_json(args), _as_json(module.Args())):

@@ -31,6 +31,21 @@ RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "-
           "--share-prompt", "--learning-rate", "2e-5", "--eval-samples", "0", "--log-samples", "4"]
 
 
+START = os.path.join("runs", "smollm2_start")
+"""where the post-GRPO model the other SmolLM2 claims start from is trained (relative to the repository)"""
+
+
+def start_args(steps: int = 30, output_dir: str = START) -> "grpo.Args":
+    """The run whose final weights the SmolLM2 claims start from (MADA-RL's critics, AdaKP, Direct-OPD's post
+    teacher): RECIPE, seed 1, `steps` steps, greedy evaluation on 40 problems a level before and after, a checkpoint
+    every 10 steps. With benchmarks.claim_runs.finished_run(grpo, start_args(), records, weights=True) a checkout
+    without the folder trains it again (about 16 minutes on one thread); its weights are
+    <output_dir>/grpo_seed1/checkpoint."""
+    return tyro.cli(grpo.Args, args=[*RECIPE, "--total-steps", str(steps), "--seed", "1", "--eval-every", "0",
+                                     "--num-eval-problems", "40", "--save-every", "10", "--output-dir", output_dir,
+                                     "--run-name", "grpo_seed1"])
+
+
 def greedy_answers(run_dir: str, step: int) -> list[dict]:
     """The eval samples logged at `step` (samples.jsonl), to read what the answers look like."""
     path = os.path.join(run_dir, "samples.jsonl")

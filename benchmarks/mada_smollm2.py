@@ -33,11 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import tyro  # noqa: E402
 
 import grpo  # noqa: E402
 from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
-from benchmarks.grpo_smollm2 import RECIPE  # noqa: E402
+from benchmarks.grpo_smollm2 import RECIPE, START, start_args  # noqa: E402
 from benchmarks.testbed_premises import nl_accuracy, proposal_cells, proposal_premises  # noqa: E402
 from common.data import load_problems, render_prompt  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
@@ -109,15 +108,12 @@ def main():
     p.add_argument("--steps", type=int, default=30, help="GRPO steps of the 'after' model")
     p.add_argument("--num-eval-problems", type=int, default=40, help="held-out level-2 problems a cell")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mada_smollm2.md"))
-    p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "mada_smollm2"), help="run folders")
+    p.add_argument("--output-dir", default=os.path.join(ROOT, START), help="the GRPO run's folder")
     p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")
     cli = p.parse_args()
     n = cli.num_eval_problems
     base = cached(os.path.join(cli.records, "cells_base.json"), {"n": n}, lambda: cells(path_of(MODEL), n))
-    args = tyro.cli(grpo.Args, args=[*RECIPE, "--total-steps", str(cli.steps), "--seed", "1", "--eval-every", "0",
-                                     "--num-eval-problems", "40", "--save-every", "10", "--output-dir",
-                                     cli.output_dir, "--run-name", "grpo_seed1"])
-    record = finished_run(grpo, args, cli.records,
+    record = finished_run(grpo, start_args(cli.steps, cli.output_dir), cli.records,
                           lambda run_dir: {"cells": cells(os.path.join(run_dir, "checkpoint"), n), "n": n})
     if record["measured"]["n"] != n:  # the cells of the trained model need its weights, which only the run has
         raise SystemExit(f"error: {cli.records}/grpo_seed1.json holds cells of {record['measured']['n']} problems, "

@@ -57,6 +57,18 @@ def test_a_finished_folder_is_recorded_once_and_read_back_from_the_record(tmp_pa
     assert again == json.loads(json.dumps(record)) and calls == [] and len(measured) == 1
 
 
+def test_a_record_is_read_back_for_a_folder_elsewhere_but_not_when_its_weights_are_needed(tmp_path):
+    args, calls = args_in(tmp_path), []
+    claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))
+    moved = dataclasses.replace(args, output_dir=str(tmp_path / "clone" / "runs"))  # a clone at another path
+    claim_runs.finished_run(fake_trainer(calls), moved, str(tmp_path / "rec"))
+    assert calls == [""]  # read back: where the run folder lives does not make it another run
+    record = claim_runs.finished_run(fake_trainer(calls), moved, str(tmp_path / "rec"), weights=True)
+    assert calls == ["", ""] and os.path.exists(tmp_path / "clone" / "runs" / "r" / "checkpoint")  # made again
+    claim_runs.finished_run(fake_trainer(calls), moved, str(tmp_path / "rec"), weights=True)
+    assert calls == ["", ""] and record["args"]["output_dir"] == moved.output_dir  # the folder is there now
+
+
 def test_a_record_of_other_arguments_is_not_read_back(tmp_path):
     args, calls = args_in(tmp_path), []
     claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))
@@ -121,3 +133,32 @@ def test_verdict_needs_both_controls_beaten_beyond_the_noise_on_every_seed():
     assert bench.verdict(res(0.5, 0.0, 0.45), [1], 40)[0] == "partly"
     assert bench.verdict(res(0.025, 0.0, 0.0), [1], 40)[0] == "not shown"  # one problem: within the noise
     assert bench.verdict({}, [], 40)[0] is None
+
+
+def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seeds():
+    from benchmarks.adakp_smollm2 import verdict
+
+    def after(a1, a2, s=(0.2, 0.2), z=(0.2, 0.2)):
+        return {("adakp", 1): a1, ("adakp", 2): a2, ("static", 1): s[0], ("static", 2): s[1],
+                ("none", 1): z[0], ("none", 2): z[1]}
+
+    assert verdict(after(0.6, 0.6), [1, 2], 40)[0] == "shown"  # +0.40 against a +-0.19 noise, both seeds
+    assert verdict(after(0.3, 0.3), [1, 2], 40)[0] == "partly shown"  # ahead on both, inside the noise
+    assert verdict(after(0.6, 0.1), [1, 2], 40)[0] == "partly shown"  # beyond on seed 1 only
+    assert verdict(after(0.6, 0.6, s=(0.6, 0.2)), [1, 2], 40)[0] == "partly shown"  # static caught up on seed 1
+    assert verdict(after(0.2, 0.1), [1, 2], 40)[0] == "not shown"
+    assert len(verdict(after(0.2, 0.1), [1, 2], 40)[1]) == 4  # a line per seed and baseline
+
+
+def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
+    from benchmarks.direct_opd_smollm2 import verdict
+
+    def acc(direct, vanilla, control=(0.5, 0.5)):
+        return {(arm, s): v for s in (1, 2) for arm, v in
+                (("direct", (0.5, direct)), ("vanilla_opd", (0.5, vanilla)), ("control", control))}
+
+    assert verdict(acc(0.7, 0.4), [1, 2], 120)[0] == "shown"  # +0.20 against +-0.13, above vanilla beyond it
+    assert verdict(acc(0.7, 0.4, control=(0.5, 0.8)), [1, 2], 120)[0] == "partly shown"  # the control moved
+    assert verdict(acc(0.55, 0.5), [1, 2], 120)[0] == "partly shown"  # ahead, inside the noise
+    assert verdict(acc(0.5, 0.4), [1, 2], 120)[0] == "not shown"  # no lift
+    assert "control 0.500 -> 0.800 (moved beyond the noise)" in verdict(acc(0.7, 0.4, (0.5, 0.8)), [1, 2], 120)[1][0]
