@@ -185,7 +185,7 @@ def report(res: dict, cli, flags: list, base_probes: dict) -> str:
     out = ["# OC-GRPO on SmolLM2-135M-Instruct (issue 38): guided rollouts past the learning cliff", "",
            f"`python benchmarks/oc_grpo_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
            f"--num-eval-problems {n} --probe-samples {k} --save-every {cli.save_every}`, {time.strftime('%Y-%m-%d')}, "
-           f"{os.cpu_count()}-core CPU (shared), float32, {run_min:.0f} minutes of runs so far (each run's own steps "
+           f"{os.cpu_count()}-core CPU (shared), float32, {run_min:.0f} minutes of runs{'' if all(done.values()) else ' so far'} (each run's own steps "
            f"and evaluations; the probes {probe_min:.0f} minutes more). Each run is", "",
            f"    python {{grpo,oc_grpo}}.py {' '.join(flags)} --seed S --micro-batch-size M [arm flags]", "",
            f"with the arm's flags: GRPO none (G = {GROUP}, M = {MICRO}); OC-GRPO `{' '.join(CASCADE)}`; OC-GRPO, no "
