@@ -99,7 +99,8 @@ def verdict(after: dict, seeds: list, n: int) -> tuple[str, list[str]]:
     return "not shown", notes
 
 
-def report(cli, start: dict, proxy: dict, runs: dict, seeds_done: list) -> str:
+def report(cli, start: dict, proxy: dict, runs: dict) -> str:
+    seeds_done = [s for s in cli.seeds if all((a, s) in runs for a in ARMS)]  # the verdict's arms
     n = cli.num_eval_problems
     sc = start["measured"]
     evals = [r for r in start["rows"] if "eval/greedy_accuracy" in r]
@@ -123,8 +124,10 @@ def report(cli, start: dict, proxy: dict, runs: dict, seeds_done: list) -> str:
               f"`python adakp.py --model-name {START}/grpo_seed1/checkpoint {' '.join(RECIPE)} --total-steps "
               f"{cli.steps} --num-eval-problems {n} --seed S --kp-mode ARM`. Trained on level-{LEVEL} prompts "
               "carrying the arm's KPs, evaluated without them (the trainer's own held-out evaluation, 48 new tokens: "
-              "'no hint (trainer)'), and with the cells above on the final weights. |S|: KPs shown a training "
-              "prompt (mean over steps, 'KPs shown'); all-fail: training groups whose 8 rollouts all fail.", "",
+              "'no hint (trainer)': 40 held-out problems of its own, not the cells' 40), and with the cells above on the "
+              "final weights. KPs shown: mean KPs a training prompt carried; all-fail: training groups whose 8 "
+              "rollouts all fail; proxy forwards: during the steps (static chooses once before training, in "
+              "forwards the trainer prints and does not log).", "",
               "| arm | seed | no hint (trainer) before -> after | no hint | helpful KPs | distractors | KPs shown | "
               "helpful share | all-fail groups | proxy forwards | minutes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     after = {}
@@ -158,27 +161,29 @@ def main():
     p.add_argument("--output-dir", default=os.path.join("runs", "adakp_smollm2"), help="run folders")
     p.add_argument("--start-dir", default=START, help="the start's run folder (shared with the other claims)")
     p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "runs", "adakp_smollm2"))
+    p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     os.chdir(ROOT)  # the start's path is relative, so records made in one clone are read back in another
     n = cli.num_eval_problems
-    start = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=True,
+    start = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=not cli.report_only,
                          measure=lambda d: hint_cells(os.path.join(d, "checkpoint"), n))
     weights = os.path.join(cli.start_dir, "grpo_seed1", "checkpoint")
     proxy = cached(os.path.join(cli.records, "proxy.json"),
                    {"problems": cli.proxy_problems, "samples": cli.proxy_samples, "start_steps": cli.steps},
                    lambda: proxy_check(weights, "testbed-nl", LEVEL, cli.proxy_problems, cli.proxy_samples, 48, 32))
-    runs, done = {}, []
+    runs = {}
     for seed in cli.seeds:
         for arm in cli.arms:
             args = tyro.cli(adakp.Args, args=["--model-name", weights, *RECIPE, "--total-steps", str(cli.steps),
                                               "--num-eval-problems", str(n), "--seed", str(seed), "--kp-mode", arm,
                                               "--output-dir", cli.output_dir, "--run-name", f"{arm}_seed{seed}"])
+            if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
+                continue
             runs[(arm, seed)] = finished_run(adakp, args, cli.records, lambda d: {
                 "cells": hint_cells(os.path.join(d, "checkpoint"), n), "n": n})
             with open(cli.out, "w") as f:
-                f.write(report(cli, start, proxy, runs, done))
-        done.append(seed)
-    text = report(cli, start, proxy, runs, done)
+                f.write(report(cli, start, proxy, runs))
+    text = report(cli, start, proxy, runs)
     with open(cli.out, "w") as f:
         f.write(text)
     print(text)

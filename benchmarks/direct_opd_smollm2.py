@@ -54,9 +54,11 @@ from grounds import path_of  # noqa: E402
 MODEL = "smollm2-135m-instruct"
 LEVELS = (1, 2, 3)
 RECIPE = ["--dataset", "testbed-nl", "--levels", *map(str, LEVELS), "--num-prompts", "4", "--group-size", "8",
-          "--max-new-tokens", "48", "--micro-batch-size", "16", "--share-prompt", "--learning-rate", "2e-5",
+          "--max-new-tokens", "64", "--micro-batch-size", "16", "--share-prompt", "--learning-rate", "2e-5",
           "--eval-samples", "0", "--log-samples", "4", "--eval-every", "0", "--save-every", "10"]
-"""grpo_smollm2's recipe on levels 1-3 (4 prompts x 8 samples, 48 new tokens, float32, full fine-tuning)"""
+"""grpo_smollm2's recipe on levels 1-3 (4 prompts x 8 samples, float32, full fine-tuning) with room for the student's
+worked solutions: 64 new tokens, not 48 (a level-2 solution is 49-55 tokens of this tokenizer, so at 48 the student
+scored 0.000 on level 2 in the trainers' evaluation against 0.925 at 64)"""
 ARMS = {"direct": (direct_opd, ["--reward", "direct"]),
         "vanilla_opd": (direct_opd, ["--reward", "vanilla_opd"]),
         "control": (direct_opd, ["--reward", "direct"]),  # --teacher-post is the pre model: set in main
@@ -129,7 +131,8 @@ def verdict(acc: dict, seeds: list, n: int) -> tuple[str, list[str]]:
     return "not shown", notes
 
 
-def report(cli, cells: dict, runs: dict, done: list, teacher: dict) -> str:
+def report(cli, cells: dict, runs: dict, teacher: dict) -> str:
+    done = [s for s in cli.seeds if all((a, s) in runs for a in ("direct", "vanilla_opd", "control"))]
     n = cli.num_eval_problems * len(LEVELS)
     ev = lambda rec: [r for r in rec["rows"] if "eval/greedy_accuracy" in r]  # noqa: E731
     lines = ["# Direct-OPD on SmolLM2-135M-Instruct (issue 41)", "",
@@ -155,7 +158,7 @@ def report(cli, cells: dict, runs: dict, done: list, teacher: dict) -> str:
               f"Each arm: `python direct_opd.py --model-name STUDENT --teacher-pre {MODEL} --teacher-post POST "
               f"{' '.join(RECIPE)} --total-steps {cli.steps} --num-eval-problems {cli.num_eval_problems} --seed S "
               "--reward direct|vanilla_opd` (control: --teacher-post the pre model), and `python grpo.py --model-name "
-              "STUDENT` with the same flags. Accuracy: the trainers' own held-out evaluation (48 new tokens). KL: "
+              "STUDENT` with the same flags. Accuracy: the trainers' own held-out evaluation (64 new tokens). KL: "
               "k3 to the student's start on its own samples, mean of the last 5 steps (direct_opd.py's loss/kl; "
               "GRPO: n/a, it has no reference model at beta 0).", "",
               "| arm | seed | " + " | ".join(f"L{lv} before -> after" for lv in LEVELS) + " | all before -> after | "
@@ -191,18 +194,21 @@ def main():
     p.add_argument("--output-dir", default=os.path.join("runs", "direct_opd_smollm2"), help="run folders")
     p.add_argument("--start-dir", default=START, help="the post teacher's run folder (shared with the other claims)")
     p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "runs", "direct_opd_smollm2"))
+    p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     os.chdir(ROOT)  # relative model paths in the runs' arguments: records made in one clone are read in another
     n = cli.num_eval_problems
-    teacher = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=True)
+    teacher = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=not cli.report_only)
     post = os.path.join(cli.start_dir, "grpo_seed1", "checkpoint")
-    student = sft_student(os.path.join(cli.output_dir, f"student_sft{cli.sft_steps}"), cli.sft_steps)
+    student = os.path.join(cli.output_dir, f"student_sft{cli.sft_steps}")
+    if not cli.report_only:
+        sft_student(student, cli.sft_steps)
     cells = {name: cached(os.path.join(cli.records, f"cells_{key}.json"), {"n": n, "sft_steps": cli.sft_steps,
                                                                            "start_steps": cli.steps},
                           lambda path=path: level_cells(path, n))
              for name, key, path in (("pre teacher (base)", "pre", path_of(MODEL)), ("post teacher", "post", post),
                                      ("student", "student", student))}
-    runs, done = {}, []
+    runs = {}
     if cells["student"]["all"] > cells["post teacher"]["all"]:
         for seed in cli.seeds:
             for arm in cli.arms:
@@ -213,11 +219,12 @@ def main():
                                                    "--total-steps", str(cli.steps), "--num-eval-problems", str(n),
                                                    "--seed", str(seed), "--output-dir", cli.output_dir,
                                                    "--run-name", f"{arm}_seed{seed}"])
+                if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
+                    continue
                 runs[(arm, seed)] = finished_run(module, args, cli.records)
                 with open(cli.out, "w") as f:
-                    f.write(report(cli, cells, runs, done, teacher))
-            done.append(seed)
-    text = report(cli, cells, runs, done, teacher)
+                    f.write(report(cli, cells, runs, teacher))
+    text = report(cli, cells, runs, teacher)
     with open(cli.out, "w") as f:
         f.write(text)
     print(text)
