@@ -19,7 +19,7 @@ again if this checkout lacks it). On it, at level 4 of testbed-nl:
    (plain GRPO on the same prompts), the same recipe, steps, prompts and seeds; measured on the final weights with
    the cells of 1 (no-hint accuracy is what the hints are for; with-hint accuracy says what the policy learnt to use).
 
-    python benchmarks/adakp_smollm2.py                # about 2 hours on one thread (+ 16 minutes for the start)
+    python benchmarks/adakp_smollm2.py                # 6 runs of 6-20 minutes, the proxy check 20 (one thread)
     python benchmarks/adakp_smollm2.py --seeds 1 --steps 2 --num-eval-problems 4 --proxy-problems 2 \\
         --proxy-samples 2 --out /tmp/a.md --output-dir /tmp/a_runs --records /tmp/a_records   # a smoke run
 

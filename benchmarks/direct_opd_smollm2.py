@@ -17,12 +17,15 @@ its KL term), and, for scale, GRPO on the student with the verifier. Measured: t
 accuracy per level before and after, and the k3 KL to the student's start on its own samples (direct_opd.py's
 loss/kl; grpo.py's policy/approx_kl is to the previous step, so for GRPO it is measured on the final weights).
 
-    python benchmarks/direct_opd_smollm2.py            # the student, 4 arms x 2 seeds: hours of one thread
+    python benchmarks/direct_opd_smollm2.py            # the student (30 minutes), 4 arms x 2 seeds (about 5 hours)
     python benchmarks/direct_opd_smollm2.py --seeds 1 --steps 2 --sft-steps 2 --num-eval-problems 4 \\
         --out /tmp/d.md --output-dir /tmp/d_runs --records /tmp/d_records --start-dir /tmp/d_start   # a smoke run
 
-Every finished run and measurement is a record in benchmarks/runs/direct_opd_smollm2/ (benchmarks/claim_runs.py):
-rerun the command until its report says it is complete. The verdict rule: shown if direct OPD lifts the student's
+Budget: a direct-OPD step took 60-100 s on one thread beside another benchmark (the student, its reference and the
+two teachers all run forwards), so a 30-step run about 40 minutes and the 8 runs about 5 hours, beyond the 90
+minutes of ../shared/CLAIMS.md; kept so because 30 steps is the recipe of the other SmolLM2 claims. Every finished
+run and measurement is a record in benchmarks/runs/direct_opd_smollm2/ (benchmarks/claim_runs.py), and an
+interrupted run continues from its checkpoint: rerun the command until its report says it is complete. The verdict rule: shown if direct OPD lifts the student's
 held-out accuracy (all levels) beyond the noise and ends above vanilla OPD beyond the noise, on both seeds, with
 the control inside the noise; partly if direct ends above both its start and vanilla OPD on both seeds inside the
 noise, or beyond it on one seed; else not shown.
