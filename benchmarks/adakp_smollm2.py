@@ -43,7 +43,7 @@ import tyro  # noqa: E402
 import adakp  # noqa: E402
 import grpo  # noqa: E402
 from benchmarks.adakp_benchmark import proxy_check, proxy_lines  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
+from benchmarks.claim_runs import cached, finished_run, margin, verdict_lines  # noqa: E402
 from benchmarks.grpo_smollm2 import START, start_args  # noqa: E402
 from benchmarks.testbed_premises import hinted_prompt, nl_accuracy  # noqa: E402
 from common.data import load_problems, render_prompt  # noqa: E402
@@ -139,13 +139,10 @@ def report(cli, start: dict, proxy: dict, runs: dict) -> str:
                      f"| {c['none']:.3f} | {c['helpful']:.3f} | {c['distractors']:.3f} | {k['size']:.2f} | "
                      f"{k['helpful']:.2f} | {k['zero_correct']:.3f} | {k['proxy_passes']:.0f} | "
                      f"{rec['seconds'] / 60:.0f} |")
-    if seeds_done == list(cli.seeds) and len(seeds_done) >= 2:
-        v, notes = verdict(after, seeds_done, n)
-        lines += ["", f"## Verdict: {v}", "", "The rule (issue 40): adakp beats both static and none on no-hint "
-                  "level-4 accuracy beyond the noise on both seeds: shown; ahead of both on every seed inside the "
-                  "noise, or beyond it on one seed: partly; else not shown.", "", *[f"- {x}" for x in notes]]
-    else:
-        lines += ["", f"Incomplete: seeds finished {seeds_done or 'none'} of {list(cli.seeds)}; rerun the command."]
+    lines += verdict_lines(seeds_done, cli.seeds, lambda done: verdict(after, done, n),
+                           "The rule (issue 40): adakp beats both static and none on no-hint level-4 accuracy beyond "
+                           "the noise on both seeds: shown; ahead of both on every seed inside the noise, or beyond it "
+                           "on one seed: partly; else not shown.")
     return "\n".join(lines) + "\n"
 
 

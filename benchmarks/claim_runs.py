@@ -143,3 +143,18 @@ def margin(a: float, b: float, n: int) -> float:
     """
     p = (a + b) / 2
     return 1.96 * (2 * p * (1 - p) / n) ** 0.5
+
+
+def verdict_lines(done: list, seeds, judge, rule: str) -> list[str]:
+    """A claim report's last lines: once every seed asked for (two at least) has all its verdict arms recorded,
+    `judge(done) -> (verdict, notes)` with its `rule` and a note a line; before that, which seeds are missing.
+
+    >>> verdict_lines([1], [1, 2], None, "")[-1]
+    'Incomplete: seeds finished [1] of [1, 2]; rerun the command.'
+    >>> verdict_lines([1, 2], (1, 2), lambda d: ("shown", ["a"]), "rule")
+    ['', '## Verdict: shown', '', 'rule', '', '- a']
+    """
+    if done != list(seeds) or len(done) < 2:
+        return ["", f"Incomplete: seeds finished {done or 'none'} of {list(seeds)}; rerun the command."]
+    verdict, notes = judge(done)
+    return ["", f"## Verdict: {verdict}", "", rule, "", *[f"- {x}" for x in notes]]

@@ -46,7 +46,7 @@ import tyro  # noqa: E402
 
 import direct_opd  # noqa: E402
 import grpo  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
+from benchmarks.claim_runs import cached, finished_run, margin, verdict_lines  # noqa: E402
 from benchmarks.grpo_smollm2 import START, start_args  # noqa: E402
 from benchmarks.testbed_premises import nl_accuracy  # noqa: E402
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
@@ -65,7 +65,9 @@ scored 0.000 on level 2 in the trainers' evaluation against 0.925 at 64)"""
 ARMS = {"direct": (direct_opd, ["--reward", "direct"]),
         "vanilla_opd": (direct_opd, ["--reward", "vanilla_opd"]),
         "control": (direct_opd, ["--reward", "direct"]),  # --teacher-post is the pre model: set in main
-        "grpo": (grpo, [])}
+        "grpo_student": (grpo, [])}
+"""run names are <arm>_seed<seed>, in the records folder that also holds the post teacher's grpo_seed1: hence not
+'grpo' for the student's GRPO arm"""
 
 
 def sft_student(out_dir: str, steps: int, seed: int = 1, batch: int = 16, lr: float = 2e-5) -> str:
@@ -172,17 +174,13 @@ def report(cli, cells: dict, runs: dict, teacher: dict) -> str:
         acc[(arm, seed)] = (e[0]["eval/greedy_accuracy"], e[-1]["eval/greedy_accuracy"])
         per = " | ".join(f"{e[0][f'eval/greedy_accuracy/level_{lv}']:.3f} -> {e[-1][f'eval/greedy_accuracy/level_{lv}']:.3f}"
                          for lv in LEVELS)
-        kl = f"{mean_kl(rec['rows']):.4f}" if arm != "grpo" else "n/a"
+        kl = f"{mean_kl(rec['rows']):.4f}" if arm != "grpo_student" else "n/a"
         lines.append(f"| {arm} | {seed} | {per} | {acc[(arm, seed)][0]:.3f} -> {acc[(arm, seed)][1]:.3f} | {kl} | "
                      f"{rec['seconds'] / 60:.0f} |")
-    if done == list(cli.seeds) and len(done) >= 2:
-        v, notes = verdict(acc, done, n)
-        lines += ["", f"## Verdict: {v}", "", "The rule (module docstring): direct OPD lifts the student beyond the "
-                  "noise and ends above vanilla OPD beyond it, on both seeds, with the control still: shown; above "
-                  "both on both seeds inside the noise, or beyond it on one seed: partly; else not shown.", "",
-                  *[f"- {x}" for x in notes]]
-    else:
-        lines += ["", f"Incomplete: seeds finished {done or 'none'} of {list(cli.seeds)}; rerun the command."]
+    lines += verdict_lines(done, cli.seeds, lambda d: verdict(acc, d, n),
+                           "The rule (module docstring): direct OPD lifts the student beyond the noise and ends above "
+                           "vanilla OPD beyond it, on both seeds, with the control still: shown; above both on both "
+                           "seeds inside the noise, or beyond it on one seed: partly; else not shown.")
     return "\n".join(lines) + "\n"
 
 
