@@ -25,6 +25,7 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
 
     python mada_rl.py                                    # embedded CPU demo, about 10 minutes on 2 cores
     python mada_rl.py --eval-debate runs/mada_rl__1__X   # the debate again from a finished run's adapters
+    python mada_rl.py --no-counterfactual --generators-from runs/mada_rl__1__X   # the ablation on the same generators
     python mada_rl.py --model-name deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dataset my_math.jsonl \\
         --eval-dataset my_math_test.jsonl --device cuda --dtype bfloat16 --max-new-tokens 4096 --lora-r 16 \\
         --micro-batch-size 4 --gradient-checkpointing --learning-rate 1e-5 --generator-steps 500 --critic-steps 500
@@ -52,6 +53,10 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     """name of this experiment (prefix of the run folder)"""
     eval_debate: str = ""
     """path of a finished run folder: load its adapters and only run the held-out debate (no training)"""
+    generators_from: str = ""
+    """path of a finished run folder: take its trained generators and start at Stage 2, so that critic ablations
+    (--no-counterfactual, --critic-sees) train on the same generators; its model, data split, agents, LoRA shape and
+    --generator-steps must be this run's"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the frozen base weights and of the compute (the LoRA adapters stay float32, peft's default, so their
     updates do not round away)"""
@@ -519,6 +524,41 @@ def critic_records(model, engine, tokenizer, problems: list, generators: list[st
              float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
 
 
+SAME_STAGE_1 = ("model_name", "dataset", "dataset_config", "train_split", "levels", "num_train_problems", "seed",
+                "num_generators", "num_critics", "generator_steps", "lora_r", "lora_alpha", "lora_target_modules")
+"""what --generators-from requires of its run: the data split (critics must not train on the generators' problems),
+the shape of the adapters and the step counter"""
+
+
+def stage_1_weights(run_dir: str, args: Args) -> list[dict]:
+    """The generators' adapter weights of a finished run (--generators-from), checked against this run's arguments."""
+    from safetensors.torch import load_file
+
+    generators = agent_names(args.num_generators, args.num_critics)[0]
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            saved = json.load(f)
+        weights = [load_file(os.path.join(run_dir, "adapters", g, "adapter_model.safetensors")) for g in generators]
+    except (OSError, ValueError) as e:
+        fail(f"--generators-from {run_dir}: not a finished mada_rl.py run folder with adapters/gen* "
+             f"({type(e).__name__})")
+    now = json.loads(json.dumps({k: getattr(args, k) for k in SAME_STAGE_1}))
+    differ = [k for k in SAME_STAGE_1 if saved.get(k) != now[k]]
+    if differ:
+        fail(f"--generators-from {run_dir}: its " + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}"
+                                                              for k in differ) + " differ from this run's")
+    return weights
+
+
+def copy_generators(model, weights: list[dict], generators: list[str]) -> None:
+    """Stage 1 of another run: its generators' weights (`stage_1_weights`) into this run's fresh adapters."""
+    from peft import set_peft_model_state_dict
+
+    for g, sd in zip(generators, weights):
+        if set_peft_model_state_dict(model, sd, adapter_name=g).unexpected_keys:
+            fail(f"--generators-from: adapters/{g} does not fit this model's adapters")
+
+
 def load_run_agents(run_dir: str, args: Args, device: str):
     """The base model of a finished run (args.json's --model-name, set in `args`) with its saved adapters."""
     adir = os.path.join(run_dir, "adapters")
@@ -557,6 +597,9 @@ def main(args: Args) -> dict:
              f"tokens each (--proposal-tokens {args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}) before "
              "its question, and would lose its first proposals: raise --max-prompt-tokens, lower --proposal-tokens, "
              "or pass --critic-sees answers")
+    if args.generators_from and args.eval_debate:
+        fail("--generators-from trains critics on a run's generators, --eval-debate only evaluates a run: pass one")
+    stage_1 = stage_1_weights(args.generators_from.rstrip("/"), args) if args.generators_from else None
     check_run_args(args)
     # ALGO LOGIC: the batch sizes
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
@@ -580,6 +623,8 @@ def main(args: Args) -> dict:
         with torch.random.fork_rng():  # the same initial adapters on every rank
             torch.manual_seed(args.seed)
             model = make_agents(load_model(model_path, args.dtype, device), generators + critics, args)
+        if stage_1 is not None:
+            copy_generators(model, stage_1, generators)
             if args.gradient_checkpointing:  # the frozen base's layers recomputed in backward (LoRA gradients only)
                 enable_gradient_checkpointing(model)
     (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
@@ -606,17 +651,18 @@ def main(args: Args) -> dict:
                    "mada/base_params": base_params, "mada/split_sizes": [len(s) for s in splits]}
     logger = RunLogger(args, run_dir, enabled=rank == 0)
     t_start = time.time()
-    first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model
-    logger.log(0, {**first_eval, **params_info})
-    first_eval = without_samples(first_eval)
+    step = args.generator_steps * args.num_generators if args.generators_from else 0  # one step counter
+    first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model (--generators-from: critics)
+    logger.log(step, {**first_eval, **params_info})
+    first_eval = mid_eval = without_samples(first_eval)
 
-    # Stage 1: generators, each on its own split
-    step = 0
-    for n, name in enumerate(generators):
-        step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, 1, n, run_eval, control)
-    mid_eval = run_eval()  # trained generators, untrained critics
-    logger.log(step, mid_eval)
-    mid_eval = without_samples(mid_eval)
+    # Stage 1: generators, each on its own split (--generators-from: done in that run)
+    if not args.generators_from:
+        for n, name in enumerate(generators):
+            step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, 1, n, run_eval, control)
+        mid_eval = run_eval()  # trained generators, untrained critics
+        logger.log(step, mid_eval)
+        mid_eval = without_samples(mid_eval)
 
     # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
     stage2 = {}
@@ -638,7 +684,8 @@ def main(args: Args) -> dict:
     if rank != 0:
         return {"after": final_eval, "run_dir": run_dir}
     model.save_pretrained(os.path.join(run_dir, "adapters"), state_dict=adapters)  # adapters/gen0, ..., critic{M-1}
-    print_table({"base": first_eval, "generators": mid_eval, "trained": final_eval})
+    print_table({"generators": mid_eval, "trained": final_eval} if args.generators_from else
+                {"base": first_eval, "generators": mid_eval, "trained": final_eval})
     print(f"trainable parameters: {per_agent:,} per agent, {params_info['mada/trainable_params_total']:,} in all "
           f"({args.num_generators + args.num_critics} adapters) vs {base_params:,} for full fine-tuning of one model; "
           f"{final_eval['mada/train_time_s']:.0f} s; run folder {run_dir}")

@@ -269,11 +269,15 @@ def test_checkpoint_flags_are_one_line_errors_before_any_work(tmp_path, flag):
     assert os.listdir(tmp_path) == []
 
 
-# All three stages in process on a tiny random model, then --eval-debate from the run folder
-def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
-    tiny = ["--model-name", tiny_model_dir, "--num-generators", "2", "--num-critics", "2", "--num-prompts", "4",
+def tiny_flags(model_dir: str) -> list[str]:
+    return ["--model-name", model_dir, "--num-generators", "2", "--num-critics", "2", "--num-prompts", "4",
             "--group-size", "4", "--max-new-tokens", "4", "--num-eval-problems", "12", "--num-train-problems", "80",
             "--generator-steps", "2", "--critic-steps", "2", "--lora-r", "4"]
+
+
+# All three stages in process on a tiny random model, then --eval-debate from the run folder
+def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
+    tiny = tiny_flags(tiny_model_dir)
     args = tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--run-name", "r", "--eval-every", "3", *tiny])
     out = mada_rl.main(args)
     run_dir = out["run_dir"]
@@ -300,3 +304,26 @@ def test_three_stages_smoke_and_eval_debate(tiny_model_dir, tmp_path):
     train = [r for r in samples if r["kind"] == "train"]
     assert {r["agent"] for r in train} == {"gen0", "gen1", "critic0", "critic1"}  # each agent's last step at least
     assert all((r["proposals"] is None) == r["agent"].startswith("gen") for r in train)
+
+
+def test_generators_from_trains_only_critics_on_the_same_generators(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+    tiny = tiny_flags(tiny_model_dir)
+    first = mada_rl.main(tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--run-name", "a", *tiny]))
+    with pytest.raises(SystemExit, match=r"^error: --generators-from .*: its --seed 1 differ"):
+        mada_rl.main(tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path / "c"), "--seed", "2",
+                                                  "--generators-from", first["run_dir"], *tiny]))
+    assert not os.path.exists(tmp_path / "c")  # refused before any work
+    again = mada_rl.main(tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--run-name", "b",
+                                                      "--no-counterfactual", "--generators-from", first["run_dir"],
+                                                      *tiny]))
+    rows = read_metrics(os.path.join(again["run_dir"], "metrics.jsonl"))
+    assert [r["mada/stage"] for r in rows if "mada/stage" in r] == [3] * 4  # Stage 1 not trained again
+    assert rows[0]["step"] == 4  # the step counter goes on from the other run's Stage 1 (2 generators x 2 steps)
+    for g in ("gen0", "gen1"):
+        saved, now = (load_file(os.path.join(r["run_dir"], "adapters", g, "adapter_model.safetensors"))
+                      for r in (first, again))
+        assert saved.keys() == now.keys() and all(torch.equal(saved[k], now[k]) for k in saved), g
+        assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k), g  # trained, not the B = 0 start
+    for k in ("mada/eval/single_accuracy", "mada/eval/majority_accuracy", "mada/eval/debate_accuracy"):
+        assert again["generators"][k] == pytest.approx(first["generators"][k]), k  # the same generators, fresh critics
