@@ -61,7 +61,8 @@ class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
     model_name: str = "testbed-weak"
     """base model: 'testbed-weak', 'testbed-strong', a Hugging Face id or a local folder"""
     dataset: str = "testbed"
-    """'testbed' (sums; rejected = corrupted answer), or text: a local .jsonl/.txt or a HF dataset (TinyStories)"""
+    """'testbed' (sums; rejected = corrupted answer), 'testbed-nl' (worked sums in the chat template; rejected = the
+    solution with one wrong step or a wrong answer), or text: a local .jsonl/.txt or a HF dataset (TinyStories)"""
     text_field: str = "text"
     """field holding the text of a record (text datasets)"""
     levels: tuple[int, ...] = (3,)
@@ -350,8 +351,8 @@ def main(args: Args) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     base = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
     tokenizer = load_tokenizer(base)
-    train_ex = build_pairs(args, "train", args.num_train_examples, args.seed)  # ppo_slm_stages.py
-    heldout = build_pairs(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed)
+    train_ex = build_pairs(args, "train", args.num_train_examples, args.seed, tokenizer)  # ppo_slm_stages.py
+    heldout = build_pairs(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed, tokenizer)
     t0 = time.time()  # stages 1 and 2; sft_dir holds the SFT adapter merged into the base (reference, policy start)
     sft_adapter, sft_dir, rm_dir = supervised_stages(args, base, tokenizer, train_ex, run_dir, rank, device)
     t_stages = time.time() - t0
@@ -378,7 +379,7 @@ def main(args: Args) -> dict:
     healthy = healthy_state(trainable, optimizer)
     guard, moments, beta = FiniteLogits(), RunningMoments(), args.init_kl_coef
     logger = RunLogger(args, run_dir, enabled=rank == 0, extra=("rm/score_mean",))  # curve.png: the samples' RM score
-    is_testbed = args.dataset == "testbed"
+    is_testbed = args.dataset in ("testbed", "testbed-nl")  # verifiable: a final answer to check
     eval_ex = heldout[: args.num_eval_prompts]
     eval_ids = tokenizer([e.prompt for e in eval_ex], add_special_tokens=False)["input_ids"]
 
@@ -407,8 +408,11 @@ def main(args: Args) -> dict:
         return out, s_B, c_B
 
     rm_acc = pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
+    by_kind = {f"rm/pair_accuracy/{k}": pair_accuracy(rm, tokenizer, [e for e in heldout[: args.num_eval_pairs]
+                                                                       if e.kind == k])
+               for k in sorted({e.kind for e in heldout[: args.num_eval_pairs]} - {""})}  # testbed-nl: step, answer
     sft_eval, sft_s_B, sft_c_B = run_eval(ref_model)
-    first_eval = {"rm/pair_accuracy": rm_acc, "time/stages": t_stages, **sft_eval}
+    first_eval = {"rm/pair_accuracy": rm_acc, **by_kind, "time/stages": t_stages, **sft_eval}
     logger.log(0, first_eval)
     first_eval, sft_eval = without_samples(first_eval), without_samples(sft_eval)
     if rank == 0:

@@ -4,14 +4,16 @@ fine-tuned on the chosen completions (SFT), and a Bradley-Terry reward model on 
     SFT:  minimise -log pi(y_w | x) over the completion tokens, LoRA with alpha = 2r
     RM:   minimise -log sigmoid(r(x, y_w) - r(x, y_l)), LoRA with alpha = 2r and a fully trained score head
 
-Pairs come from the testbed (chosen: the answer; rejected: a corrupted one) or from a text dataset (chosen: a
-record's next words; rejected: them shuffled, truncated or taken from another record, as in arXiv 2607.25091).
+Pairs come from the testbed (chosen: the answer; rejected: a corrupted one), from testbed-nl (chosen: the worked
+solution; rejected: the same with one wrong step or a wrong answer) or from a text dataset (chosen: a record's next
+words; rejected: them shuffled, truncated or taken from another record, as in arXiv 2607.25091).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from common.args import fail
-from common.data import load_problems, read_json_records
+from common.data import load_problems, read_json_records, render_prompt
 from common.models import add_lora, load_model, load_score_model
 from common.rollout import encode_pairs, position_ids, sequence_scores
 from common.testbed import render_testbed_prompt
@@ -31,6 +33,7 @@ class Pair:
     chosen: str
     rejected: str
     problem: object = None  # the testbed Problem (verifiable), None for text
+    kind: str = ""  # testbed-nl: what is wrong in `rejected`, 'step' or 'answer'
 
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:
@@ -45,6 +48,28 @@ def corrupt_answer(answer: str, rng: random.Random) -> str:
     if u < 0.9:
         return answer[:-1] or str(rng.randint(0, 9))
     return f"{answer}+{rng.randint(1, 9)}"
+
+
+def near_miss(n: int, rng: random.Random) -> int:
+    """A plausible wrong number: off by 1 to 3, never negative."""
+    return rng.choice([m for m in (n - 3, n - 2, n - 1, n + 1, n + 2, n + 3) if m >= 0])
+
+
+def wrong_solution(solution: str, answer: str, rng: random.Random) -> tuple[str, str]:
+    """A testbed-nl worked solution made wrong, and how: 'step' (one intermediate result off by 1-3, the rest
+    unchanged, so the final answer is still right and only the reasoning is wrong; where there are several steps)
+    or 'answer' (the final result off by 1-3 in its last step and in 'The answer is').
+
+    >>> wrong_solution("First 2 + 3 = 5. Then 5 + 4 = 9. The answer is 9.", "9", random.Random(0))
+    ('First 2 + 3 = 5. Then 5 + 4 = 10. The answer is 10.', 'answer')
+    >>> wrong_solution("First 2 + 3 = 5. Then 5 + 4 = 9. The answer is 9.", "9", random.Random(1))
+    ('First 2 + 3 = 4. Then 5 + 4 = 9. The answer is 9.', 'step')
+    """
+    steps = [m for m in re.finditer(r"= (\d+)", solution) if m.group(1) != answer]
+    if steps and rng.random() < 0.5:
+        m = rng.choice(steps)
+        return solution[: m.start(1)] + str(near_miss(int(m.group(1)), rng)) + solution[m.end(1):], "step"
+    return re.sub(rf"\b{answer}\b", str(near_miss(int(answer), rng)), solution), "answer"
 
 
 def read_texts(dataset: str, split: str, field: str, n: int = 0) -> list[str]:
@@ -79,13 +104,21 @@ def read_texts(dataset: str, split: str, field: str, n: int = 0) -> list[str]:
     return texts[:n] if n else texts
 
 
-def build_pairs(args, split: str, n: int, seed: int) -> list[Pair]:
-    """Prompts with a chosen (correct / real) and a rejected (corrupted) completion, from --dataset: 'testbed' (its
-    --levels) or text (--text-field, cut into --prompt-words and --continuation-words)."""
+def build_pairs(args, split: str, n: int, seed: int, tokenizer=None) -> list[Pair]:
+    """Prompts with a chosen (correct / real) and a rejected (corrupted) completion, from --dataset: 'testbed' or
+    'testbed-nl' (its --levels; testbed-nl's prompt in the tokenizer's chat template, as grpo.py renders it) or text
+    (--text-field, cut into --prompt-words and --continuation-words)."""
     rng = random.Random(f"{seed}-{split}")
     if args.dataset == "testbed":
         problems = load_problems("testbed", split, args.levels, n, seed)
         return [Pair(render_testbed_prompt(p.question), p.answer, corrupt_answer(p.answer, rng), p) for p in problems]
+    if args.dataset == "testbed-nl":
+        problems = load_problems("testbed-nl", split, args.levels, n, seed)
+        pairs = []
+        for p in problems:
+            rejected, kind = wrong_solution(p.solution, p.answer, rng)
+            pairs.append(Pair(render_prompt(p, tokenizer), p.solution, rejected, p, kind))
+        return pairs
     need = args.prompt_words + args.continuation_words
     cuts = [t.split() for t in read_texts(args.dataset, split, args.text_field, n) if len(t.split()) >= need]
     if len(cuts) < 2:

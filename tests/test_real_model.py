@@ -111,14 +111,28 @@ def test_mada_rl_lora_agents_on_llama_modules(tmp_path, smollm2_dir):
     assert os.path.isfile(os.path.join(out["run_dir"], "adapters", "critic0", "adapter_config.json"))
 
 
-def test_ppo_slm_three_stages_with_lora_on_llama_modules(tmp_path, smollm2_dir):
+def test_ppo_slm_three_stages_with_lora_on_llama_modules_on_worked_solutions(tmp_path, smollm2_dir):
     out = ppo_slm.main(tyro.cli(ppo_slm.Args, args=[
-        "--model-name", MODEL, "--num-train-examples", "8", "--num-eval-pairs", "4", "--num-eval-prompts", "2",
-        "--num-prompts", "2", "--minibatch-size", "2", "--max-new-tokens", "4", "--sft-steps", "1",
-        "--sft-batch-size", "2", "--rm-steps", "1", "--rm-batch-size", "2", "--total-steps", "1",
-        "--output-dir", str(tmp_path)]))
-    assert out["steps"] == 1 and "eval/win_rate_rm" in out["after"]
+        "--model-name", MODEL, "--dataset", "testbed-nl", "--levels", "2", "--num-train-examples", "8",
+        "--num-eval-pairs", "8", "--num-eval-prompts", "2", "--num-prompts", "2", "--minibatch-size", "2",
+        "--max-new-tokens", "4", "--sft-steps", "1", "--sft-batch-size", "2", "--rm-steps", "1", "--rm-batch-size",
+        "2", "--total-steps", "1", "--output-dir", str(tmp_path)]))
+    assert out["steps"] == 1 and "eval/win_rate_rm" in out["after"] and "eval/win_rate_verifier" in out["after"]
+    assert {"rm/pair_accuracy/step", "rm/pair_accuracy/answer"} <= out["before"].keys()  # both kinds of wrong
     assert os.path.isfile(os.path.join(out["run_dir"], "ppo_adapter", "adapter_config.json"))
+
+
+def test_ppo_slm_worked_solution_pairs_in_smollm2s_chat_template(smollm2_dir):
+    from common.models import load_tokenizer
+    from ppo_slm_stages import build_pairs
+    tok = load_tokenizer(smollm2_dir)
+    pairs = build_pairs(tyro.cli(ppo_slm.Args, args=["--dataset", "testbed-nl", "--levels", "2"]), "test", 40, 1, tok)
+    assert pairs[0].prompt.endswith("<|im_start|>assistant\n") and pairs[0].problem.question in pairs[0].prompt
+    assert all(e.chosen == e.problem.solution and e.rejected != e.chosen for e in pairs)
+    kinds = {k: [e for e in pairs if e.kind == k] for k in ("step", "answer")}
+    assert min(len(v) for v in kinds.values()) >= 10  # about half each
+    assert all(e.rejected.endswith(f"The answer is {e.problem.answer}.") for e in kinds["step"])  # reasoning wrong
+    assert not any(e.problem.answer in e.rejected.split("The answer is")[-1] for e in kinds["answer"])
 
 
 def test_rlpf_smollm2_writes_programs_through_its_chat_template(tmp_path, smollm2_dir):
