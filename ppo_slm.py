@@ -273,6 +273,7 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
         log_ratio = (logp_BC - b["old_logp_BC"]) * mask_BC  # padding: 0, never exp(+large)
         stats = {"ratio_sum": (ratio_BC * mask_BC).sum().item(),
                  "max_ratio": (ratio_BC * mask_BC).max().item(),
+                 "safety/ratio_above_10": ((~(ratio_BC <= 10)).float() * mask_BC).sum().item(),  # NaN, inf too
                  "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(),
                  # differs from grpo.py: TRL's clip fraction |rho - 1| > eps, whatever the sign of A
                  "policy/clip_frac": (((ratio_BC - 1).abs() > args.clip_range).float() * mask_BC).sum().item(),

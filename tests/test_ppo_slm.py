@@ -167,7 +167,9 @@ def test_huge_ratio_trips_the_guard(faulty_runs):
     per_step = 2 * (8 // 4)  # ppo_epochs x mini-batches: every mini-batch of the faulty step is skipped
     rows = _steps(on)
     assert rows[3]["safety/ratio_guard_skips"] == per_step and rows[3]["safety/max_ratio"] > 100
+    assert rows[3]["safety/ratio_above_10"] > 0.9  # e^5 on every token, less what the updates moved
     assert rows[1]["safety/ratio_guard_skips"] == 0 and rows[4]["safety/ratio_guard_skips"] == 0
+    assert rows[1]["safety/ratio_above_10"] == 0 == rows[4]["safety/ratio_above_10"]
     assert _steps(off)[3]["safety/ratio_guard_skips"] == 0
 
 
