@@ -163,6 +163,7 @@ def main():
     os.chdir(ROOT)  # the start's path is relative, so records made in one clone are read back in another
     n = cli.num_eval_problems
     start = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=not cli.report_only,
+                         make=not cli.report_only,
                          measure=lambda d: hint_cells(os.path.join(d, "checkpoint"), n))
     weights = os.path.join(cli.start_dir, "grpo_seed1", "checkpoint")
     proxy = cached(os.path.join(cli.records, "proxy.json"),
@@ -177,7 +178,7 @@ def main():
             if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
                 continue
             runs[(arm, seed)] = finished_run(adakp, args, cli.records, lambda d: {
-                "cells": hint_cells(os.path.join(d, "checkpoint"), n), "n": n})
+                "cells": hint_cells(os.path.join(d, "checkpoint"), n), "n": n}, make=not cli.report_only)
             with open(cli.out, "w") as f:
                 f.write(report(cli, start, proxy, runs))
     text = report(cli, start, proxy, runs)

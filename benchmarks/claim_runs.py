@@ -73,13 +73,14 @@ def run_seconds(run_dir: str, rows: list) -> float:
     return seconds
 
 
-def finished_run(module, args, record_dir: str, measure=None, weights: bool = False) -> dict:
+def finished_run(module, args, record_dir: str, measure=None, weights: bool = False, make: bool = True) -> dict:
     """The record of the run `module.main(args)` makes: {"args", "rows", "seconds", "measured"}, read back from
     record_dir/<run_name>.json when it holds a run with the same arguments, else made from the run folder (finished,
     continued from its checkpoint, or run from the start; a stale folder is kept beside it as <name>.stale-<time>).
     `measure(run_dir) -> dict` runs once on the finished folder (its checkpoint holds the final weights) and its
     result is kept in the record. weights=True: the caller needs the final weights too (a benchmark that starts
-    from them), so the record is read back only beside a finished run folder; without one the run is made again."""
+    from them), so the record is read back only beside a finished run folder; without one the run is made again.
+    make=False (a report written from the records): never run; no record of these arguments is a one-line error."""
     path = os.path.join(record_dir, f"{args.run_name}.json")
     try:
         if weights and folder_state(module, args) != "finished":
@@ -92,6 +93,9 @@ def finished_run(module, args, record_dir: str, measure=None, weights: bool = Fa
         print(f"{args.run_name}: {os.path.relpath(path)} is a run with other arguments; running this one")
     except (OSError, ValueError, KeyError):
         pass
+    if not make:
+        raise SystemExit(f"error: {args.run_name}: no record of a run with these arguments in {record_dir} (a report "
+                         "from the records runs nothing: rerun without --report-only)")
     run_dir = os.path.join(args.output_dir, args.run_name)
     state = folder_state(module, args)
     if state == "stale":

@@ -199,7 +199,8 @@ def main():
     cli = p.parse_args()
     os.chdir(ROOT)  # relative model paths in the runs' arguments: records made in one clone are read in another
     n = cli.num_eval_problems
-    teacher = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=not cli.report_only)
+    teacher = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=not cli.report_only,
+                           make=not cli.report_only)
     post = os.path.join(cli.start_dir, "grpo_seed1", "checkpoint")
     student = os.path.join(cli.output_dir, f"student_sft{cli.sft_steps}")
     if not cli.report_only:
@@ -222,7 +223,7 @@ def main():
                                                    "--run-name", f"{arm}_seed{seed}"])
                 if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
                     continue
-                runs[(arm, seed)] = finished_run(module, args, cli.records)
+                runs[(arm, seed)] = finished_run(module, args, cli.records, make=not cli.report_only)
                 with open(cli.out, "w") as f:
                     f.write(report(cli, cells, runs, teacher))
     text = report(cli, cells, runs, teacher)

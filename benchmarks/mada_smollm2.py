@@ -16,12 +16,23 @@ accuracy by >= 0.10 over no proposals. If it fails on the base model and after G
 with both figures, and the training arms (debate against vote, counterfactual against plain critics) are not
 evidence either way. Writes benchmarks/mada_smollm2.md.
 
-    python benchmarks/mada_smollm2.py                 # the GRPO run (about 30 minutes on one thread) and the cells
-    python benchmarks/mada_smollm2.py --steps 2 --num-eval-problems 4 --out /tmp/m.md --output-dir /tmp/m_runs \\
-        --records /tmp/m_records                        # a smoke run
+The arms, where the premise holds on the base model (mada_rl.py's critics start from it: fresh LoRA adapters on the
+frozen base): `mada_rl.py` on level 2 (3 generators, 3 critics, LoRA r = 8 on every projection, lr 1e-3, 4 prompts
+x 8 samples, 64 new tokens, ARM_FLAGS) with the counterfactual critic advantage, and the plain one (GRPO group
+z-score, --no-counterfactual) trained on the same generators (--generators-from the first run: one Stage 1 a seed),
+seeds 1 and 2. Measured on 40 held-out level-2 problems, greedy: the single generator (mean over the three), the
+generators' majority vote, the debate (round 2, mean over critics), the critics' improvement rate (majority wrong ->
+critic right) and break rate (majority right -> critic wrong); trainable parameters against full fine-tuning.
+The rules, written before the runs: (debate) the counterfactual arm's debate above the vote beyond the noise on both
+seeds: shown; above on both inside the noise, or beyond on one: partly; else not shown. (critic advantage) the
+counterfactual arm's debate above the plain arm's, the same rule.
 
-The GRPO run and each model's cells are kept as records in benchmarks/runs/mada_smollm2/ (benchmarks/claim_runs.py),
-so a rerun reads them back.
+    python benchmarks/mada_smollm2.py                 # the premise (records), then 2 arms x 2 seeds
+    python benchmarks/mada_smollm2.py --steps 2 --num-eval-problems 4 --agent-steps 1 --seeds 1 --out /tmp/m.md \\
+        --output-dir /tmp/m_runs --records /tmp/m_records   # a smoke run
+
+Every run and each model's cells are kept as records in benchmarks/runs/mada_smollm2/ (benchmarks/claim_runs.py),
+so a rerun reads them back; mada_rl.py writes no checkpoints, so an interrupted arm starts again.
 """
 
 import argparse
@@ -35,7 +46,9 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import grpo  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
+import mada_rl  # noqa: E402
+import tyro  # noqa: E402
+from benchmarks.claim_runs import cached, finished_run, margin, verdict_lines  # noqa: E402
 from benchmarks.grpo_smollm2 import RECIPE, START, start_args  # noqa: E402
 from benchmarks.testbed_premises import nl_accuracy, proposal_cells, proposal_premises  # noqa: E402
 from common.data import load_problems, render_prompt  # noqa: E402
@@ -43,7 +56,14 @@ from common.models import load_model, load_tokenizer  # noqa: E402
 from grounds import path_of  # noqa: E402
 
 MODEL, LEVEL = "smollm2-135m-instruct", 2
+BASE = "SmolLM2-135M-Instruct"
 RECORDS = os.path.join(ROOT, "benchmarks", "runs", "mada_smollm2")
+ARM_FLAGS = ["--model-name", MODEL, "--dataset", "testbed-nl", "--levels", str(LEVEL), "--num-generators", "3",
+             "--num-critics", "3", "--num-prompts", "4", "--group-size", "8", "--max-new-tokens", "64",
+             "--micro-batch-size", "16", "--share-prompt", "--num-train-problems", "360", "--eval-every", "0",
+             "--log-samples", "4"]
+"""mada_rl.py's flags in both arms (LoRA r 8, lr 1e-3: its defaults): grpo_smollm2's batch on the premise's level,
+64 new tokens (a level-2 worked solution is 49-55 tokens), 60 training problems an agent (6 agents)"""
 
 
 def cells(model_dir: str, n: int) -> dict:
@@ -56,7 +76,87 @@ def cells(model_dir: str, n: int) -> dict:
     return {**m, **proposal_cells(model, tok, problems, LEVEL), "seconds": time.time() - t0}
 
 
-def report(cols: dict, cli, grpo_record: dict) -> str:
+def arm_args(arm: str, seed: int, cli) -> "mada_rl.Args":
+    """The run of one arm: 'counterfactual', or 'plain' on the counterfactual run's generators."""
+    extra = (["--no-counterfactual", "--generators-from", os.path.join(cli.arms_dir, f"counterfactual_seed{seed}")]
+             if arm == "plain" else [])
+    args = tyro.cli(mada_rl.Args, args=[*ARM_FLAGS, *extra, "--generator-steps", str(cli.agent_steps),
+                                        "--critic-steps", str(cli.agent_steps), "--num-eval-problems",
+                                        str(cli.num_eval_problems), "--seed", str(seed), "--output-dir", cli.arms_dir,
+                                        "--run-name", f"{arm}_seed{seed}"])
+    args.total_steps = 6 * cli.agent_steps  # filled in by main(); claim_runs compares it and finds the last eval by it
+    return args
+
+
+def debate_rows(record: dict) -> list[dict]:
+    """The held-out debates of a run: before training (or, --generators-from, of the generators), after Stage 1 and
+    at the end."""
+    return [r for r in record["rows"] if "mada/eval/debate_accuracy" in r]
+
+
+def arm_lines(runs: dict, cli) -> list[str]:
+    """The arms' table and verdicts from {(arm, seed): record}."""
+    n = cli.num_eval_problems
+    f = lambda x: f"{x:.3f}"  # noqa: E731
+    lines = ["", "## The arms", "",
+             f"`python mada_rl.py {' '.join(ARM_FLAGS)} --generator-steps {cli.agent_steps} --critic-steps "
+             f"{cli.agent_steps} --num-eval-problems {n} --seed S` (counterfactual), and the same with "
+             "`--no-counterfactual --generators-from <the counterfactual run>` (plain: its critics train on the same "
+             f"generators and the same problems). Greedy, {n} held-out level-{LEVEL} problems; 'base': every agent "
+             "the base model; vote: the three generators' majority; debate: round 2, mean over the three critics; "
+             "improvement: majority wrong -> critic right; break: majority right -> critic wrong; 'untrained critics': "
+             "the same debate before Stage 3 (critics = the base model), the control for a second round without "
+             "critic training.", "",
+             "| arm | seed | base single | generators single | vote | debate, untrained critics | debate | debate - "
+             "vote | improvement | break | critics beat generators (training) | minutes |", "|---|---|" + "---|" * 10]
+    if not runs:
+        return lines[:4] + ["", "No arm is recorded yet: rerun the command (without --report-only)."]
+    for (arm, seed), rec in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ev, stage3 = debate_rows(rec), [r for r in rec["rows"] if r.get("mada/stage") == 3]
+        first, fin = ev[0], ev[-1]
+        base = f(first["mada/eval/single_accuracy"]) if arm == "counterfactual" else "(same)"
+        beats = sum(r["mada/beats_generators"] for r in stage3) / max(len(stage3), 1)
+        lines.append(f"| {arm} | {seed} | {base} | {f(fin['mada/eval/single_accuracy'])} | "
+                     f"{f(fin['mada/eval/majority_accuracy'])} | {f(ev[-2]['mada/eval/debate_accuracy'])} | "
+                     f"{f(fin['mada/eval/debate_accuracy'])} | "
+                     f"{fin['mada/eval/debate_accuracy'] - fin['mada/eval/majority_accuracy']:+.3f} | "
+                     f"{f(fin['mada/eval/improvement_rate'])} | {f(fin['mada/eval/break_rate'])} | {beats:+.3f} | "
+                     f"{fin.get('mada/train_time_s', rec['seconds']) / 60:.0f} |")
+    params = next((debate_rows(r)[0] for r in runs.values()), {})
+    if "mada/trainable_params_per_agent" in params:
+        lines += ["", f"Trainable parameters: {params['mada/trainable_params_per_agent']:,} an agent, "
+                  f"{params['mada/trainable_params_total']:,} for the six, against {params['mada/base_params']:,} "
+                  "for full fine-tuning of one model (the paper: 18.5M an agent against 1.78B)."]
+    lines += ["", "'critics beat generators': the critics' training accuracy minus the generators' acc_G on the same "
+              "problems, mean over Stage 3 steps (sampled at T = 1)."]
+    done = [s for s in cli.seeds if all((a, s) in runs for a in ("counterfactual", "plain"))]
+
+    def judge(seeds, a_key, b_of):
+        notes, beyond, ahead = [], [], []
+        for s in seeds:
+            a, b = a_key(s), b_of(s)
+            beyond.append(a - b > margin(a, b, n))
+            ahead.append(a > b)
+            notes.append(f"seed {s}: {a:.3f} against {b:.3f} ({a - b:+.3f}, noise +-{margin(a, b, n):.3f})")
+        return ("shown" if all(beyond) else "partly shown" if all(ahead) or any(beyond) else "not shown"), notes
+
+    fin = lambda arm, s, k: debate_rows(runs[(arm, s)])[-1][f"mada/eval/{k}"]  # noqa: E731
+    debate = verdict_lines(done, cli.seeds, lambda d: judge(d, lambda s: fin("counterfactual", s, "debate_accuracy"),
+                                                            lambda s: fin("counterfactual", s, "majority_accuracy")),
+                           "Debate against the vote (counterfactual arm): the debate above the generators' majority "
+                           "beyond the noise on both seeds: shown; above on both inside it, or beyond on one: partly.")
+    critic = verdict_lines(done, cli.seeds, lambda d: judge(d, lambda s: fin("counterfactual", s, "debate_accuracy"),
+                                                            lambda s: fin("plain", s, "debate_accuracy")),
+                           "Counterfactual against plain critic advantage: the counterfactual arm's debate above the "
+                           "plain arm's, the same rule.")
+    if len(debate) > 2:
+        debate[1], critic[1] = debate[1].replace("Verdict", "Verdict, debate"), critic[1].replace("Verdict",
+                                                                                                   "Verdict, critic")
+        return lines + debate + critic
+    return lines + debate
+
+
+def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
     n = cli.num_eval_problems
     holds = {name: [ok for label, _, ok in proposal_premises(m, LEVEL) if label.startswith("responses: ")][0]
              for name, m in cols.items()}
@@ -92,10 +192,8 @@ def report(cols: dict, cli, grpo_record: dict) -> str:
     lines += ["", "| cell | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for k in [k for k in cols[next(iter(cols))] if k.startswith("L")]:
         lines.append(f"| {k} | " + " | ".join(f"{cols[c][k]:.3f}" for c in cols) + " |")
-    if any(holds.values()):
-        lines += ["", "Where the premise holds, the claim's training arms come next (issue 42: debate against the "
-                  "generators' vote and the single generator, counterfactual against plain critic advantages, 2 "
-                  "seeds); they are not part of this file yet."]
+    if holds[BASE]:
+        lines += arm_lines(runs or {}, cli)
     else:
         lines += ["", "With the premise failing on both models the training arms of the claim (debate against the "
                   "generators' vote, counterfactual against plain critic advantages) were not run: neither outcome "
@@ -110,15 +208,35 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mada_smollm2.md"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, START), help="the GRPO run's folder")
     p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds of the arms")
+    p.add_argument("--agent-steps", type=int, default=10, help="training steps of each generator and each critic")
+    p.add_argument("--arms-dir", default=os.path.join("runs", "mada_smollm2"), help="the arms' run folders")
+    p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
+    os.chdir(ROOT)  # the plain arm's --generators-from is relative: records made in one clone are read in another
     n = cli.num_eval_problems
     base = cached(os.path.join(cli.records, "cells_base.json"), {"n": n}, lambda: cells(path_of(MODEL), n))
     record = finished_run(grpo, start_args(cli.steps, cli.output_dir), cli.records,
-                          lambda run_dir: {"cells": cells(os.path.join(run_dir, "checkpoint"), n), "n": n})
+                          lambda run_dir: {"cells": cells(os.path.join(run_dir, "checkpoint"), n), "n": n},
+                          make=not cli.report_only)
     if record["measured"]["n"] != n:  # the cells of the trained model need its weights, which only the run has
         raise SystemExit(f"error: {cli.records}/grpo_seed1.json holds cells of {record['measured']['n']} problems, "
                          f"not {n}: move it aside to rerun the GRPO run")
-    text = report({"SmolLM2-135M-Instruct": base, "after GRPO (seed 1)": record["measured"]["cells"]}, cli, record)
+    cols = {BASE: base, "after GRPO (seed 1)": record["measured"]["cells"]}
+    runs = {}
+    holds = [ok for label, _, ok in proposal_premises(base, LEVEL) if label.startswith("responses: ")][0]
+    for seed in cli.seeds if holds else []:  # the critics start from the base model: its premise gates the arms
+        for arm in ("counterfactual", "plain"):
+            args = arm_args(arm, seed, cli)
+            if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
+                continue
+            plain_missing = not os.path.exists(os.path.join(cli.records, f"plain_seed{seed}.json"))
+            runs[(arm, seed)] = finished_run(mada_rl, args, cli.records,
+                                             weights=arm == "counterfactual" and plain_missing and not cli.report_only,
+                                             make=not cli.report_only)
+            with open(cli.out, "w") as f:
+                f.write(report(cols, cli, record, runs))
+    text = report(cols, cli, record, runs)
     with open(cli.out, "w") as f:
         f.write(text)
     print(text)

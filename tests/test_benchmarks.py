@@ -162,3 +162,51 @@ def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
     assert verdict(acc(0.55, 0.5), [1, 2], 120)[0] == "partly shown"  # ahead, inside the noise
     assert verdict(acc(0.5, 0.4), [1, 2], 120)[0] == "not shown"  # no lift
     assert "control 0.500 -> 0.800 (moved beyond the noise)" in verdict(acc(0.7, 0.4, (0.5, 0.8)), [1, 2], 120)[1][0]
+
+
+def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics():
+    from benchmarks.mada_smollm2 import arm_lines
+
+    def rec(debate, vote, untrained=0.3):
+        ev = lambda d: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
+                        "mada/eval/single_accuracy": 0.3, "mada/eval/improvement_rate": 0.1,
+                        "mada/eval/break_rate": 0.2}
+        return {"rows": [ev(untrained), ev(debate), {"mada/stage": 3, "mada/beats_generators": 0.05}],
+                "seconds": 60.0}
+
+    cli = types.SimpleNamespace(num_eval_problems=40, agent_steps=10, seeds=[1, 2])
+    text = "\n".join(arm_lines({(a, s): rec(0.8 if a == "counterfactual" else 0.4, 0.3)
+                                for a in ("counterfactual", "plain") for s in (1, 2)}, cli))
+    assert "## Verdict, debate: shown" in text and "## Verdict, critic: shown" in text
+    text = "\n".join(arm_lines({(a, s): rec(0.35, 0.3) for a in ("counterfactual", "plain") for s in (1, 2)}, cli))
+    assert "## Verdict, debate: partly shown" in text  # above the vote on both seeds, inside the noise
+    assert "## Verdict, critic: not shown" in text  # equal to the plain critics
+    half = {k: v for k, v in {(a, s): rec(0.8, 0.3) for a in ("counterfactual", "plain") for s in (1, 2)}.items()
+            if k != ("plain", 2)}
+    assert "Incomplete: seeds finished [1] of [1, 2]" in "\n".join(arm_lines(half, cli))
+
+
+def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
+    from benchmarks.ppo_slm_smollm2 import collapsed
+
+    def rec(final, steps):
+        return {"rows": [{"step": 0, "eval/greedy_accuracy": 0.6},
+                         *({"step": s, "reward/mean": 0.0} for s in range(1, steps + 1)),
+                         {"step": steps, "eval/greedy_accuracy": final}]}
+
+    assert not collapsed(rec(0.31, 40), 0.6, 40)
+    assert collapsed(rec(0.29, 40), 0.6, 40)  # below half of 0.6
+    assert collapsed(rec(0.6, 12), 0.6, 40)  # stopped early (rollback limit or KL)
+
+
+def test_a_report_from_the_records_never_runs(tmp_path):
+    args, calls = args_in(tmp_path), []
+    try:
+        claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), make=False)
+        raise AssertionError("no record, no run: expected a one-line error")
+    except SystemExit as e:
+        assert str(e).startswith("error: r: no record of a run with these arguments")
+    assert calls == [] and not os.path.exists(tmp_path / "runs")
+    claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))  # made and recorded
+    assert claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), make=False)["rows"]
+    assert calls == [""]  # once, by the call allowed to run
