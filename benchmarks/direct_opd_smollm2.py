@@ -15,7 +15,8 @@ Four arms, the same recipe, prompts, steps, seeds and evaluation (levels 1-3): d
 teacher as target), the identical-teacher control (post = pre: the shift is 0, so the student must not move beyond
 its KL term), and, for scale, GRPO on the student with the verifier. Measured: the trainers' held-out greedy
 accuracy per level before and after, and the k3 KL to the student's start on its own samples (direct_opd.py's
-loss/kl; grpo.py's policy/approx_kl is to the previous step, so for GRPO it is measured on the final weights).
+loss/kl; grpo.py's policy/approx_kl is to the previous step and it keeps no reference at beta 0, so n/a for GRPO),
+and the length of the sampled replies at the start and the end of each run (where the accuracy went).
 
     python benchmarks/direct_opd_smollm2.py            # the student (30 minutes), 4 arms x 2 seeds (about 5 hours)
     python benchmarks/direct_opd_smollm2.py --seeds 1 --steps 2 --sft-steps 2 --num-eval-problems 4 \\
@@ -118,6 +119,12 @@ def mean_kl(rows: list, last: int = 5) -> float:
     return sum(kl) / max(len(kl), 1)
 
 
+def reply_tokens(rows: list, k: int = 5) -> tuple[float, float]:
+    """Mean sampled reply length (rollout/completion_len) over a run's first k and last k steps."""
+    lens = [r["rollout/completion_len"] for r in rows if "rollout/completion_len" in r]
+    return sum(lens[:k]) / max(len(lens[:k]), 1), sum(lens[-k:]) / max(len(lens[-k:]), 1)
+
+
 def verdict(acc: dict, seeds: list, n: int) -> tuple[str, list[str]]:
     """The rule of the module docstring on {(arm, seed): (before, after)} held-out accuracies over n problems."""
     beyond, ahead, notes = [], [], []
@@ -165,9 +172,10 @@ def report(cli, cells: dict, runs: dict, teacher: dict) -> str:
               "--reward direct|vanilla_opd` (control: --teacher-post the pre model), and `python grpo.py --model-name "
               "STUDENT` with the same flags. Accuracy: the trainers' own held-out evaluation (64 new tokens). KL: "
               "k3 to the student's start on its own samples, mean of the last 5 steps (direct_opd.py's loss/kl; "
-              "GRPO: n/a, it has no reference model at beta 0).", "",
+              "GRPO: n/a, it has no reference model at beta 0). Reply tokens: the sampled replies' mean length over the "
+              "first and the last 5 steps.", "",
               "| arm | seed | " + " | ".join(f"L{lv} before -> after" for lv in LEVELS) + " | all before -> after | "
-              "KL to start | minutes |", "|---|---|" + "---|" * len(LEVELS) + "---|---|---|"]
+              "KL to start | reply tokens | minutes |", "|---|---|" + "---|" * len(LEVELS) + "---|---|---|---|"]
     acc = {}
     for (arm, seed), rec in runs.items():
         e = ev(rec)
@@ -175,8 +183,12 @@ def report(cli, cells: dict, runs: dict, teacher: dict) -> str:
         per = " | ".join(f"{e[0][f'eval/greedy_accuracy/level_{lv}']:.3f} -> {e[-1][f'eval/greedy_accuracy/level_{lv}']:.3f}"
                          for lv in LEVELS)
         kl = f"{mean_kl(rec['rows']):.4f}" if arm != "grpo_student" else "n/a"
+        first, last = reply_tokens(rec["rows"])
         lines.append(f"| {arm} | {seed} | {per} | {acc[(arm, seed)][0]:.3f} -> {acc[(arm, seed)][1]:.3f} | {kl} | "
-                     f"{rec['seconds'] / 60:.0f} |")
+                     f"{first:.0f} -> {last:.0f} | {rec['seconds'] / 60:.0f} |")
+    first, last = reply_tokens(teacher["rows"])
+    lines += ["", f"The post teacher's own GRPO run went from {first:.0f} to {last:.0f} reply tokens: what its RL "
+              "learned, and what the pair's log-ratio carries, includes the length of the reply."]
     lines += verdict_lines(done, cli.seeds, lambda d: verdict(acc, d, n),
                            "The rule (module docstring): direct OPD lifts the student beyond the noise and ends above "
                            "vanilla OPD beyond it, on both seeds, with the control still: shown; above both on both "
