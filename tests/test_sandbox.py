@@ -327,17 +327,20 @@ def test_where_helpers_can_start_a_program_with_them_is_timed_by_wall_clock():
     # a helper could work while the main thread waits: the cpu count of one process would not see that work
     thread = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n" \
              "def solve(n):\n    return 3 * n\n"
+    # the helpers' work is counted in clock ticks (10 ms) once they are gone: 10 n steps (~0.1 s a call) stays
+    # clear of that grain on a fast CPU (n steps, a few ms, was missed on one: the program was timed by cpu)
     child = "import os\ndef solve(n):\n    pid = os.fork()\n    if pid == 0:\n        s = 0\n" \
-            "        for i in range(n):\n            s += i\n        os._exit(0)\n    os.waitpid(pid, 0)\n" \
+            "        for i in range(10 * n):\n            s += i\n        os._exit(0)\n    os.waitpid(pid, 0)\n" \
             "    return 3 * n\n"
-    joined = "import threading\ndef work(n):\n    s = 0\n    for i in range(n):\n        s += i\n" \
+    joined = "import threading\ndef work(n):\n    s = 0\n    for i in range(10 * n):\n        s += i\n" \
              "def solve(n):\n    t = threading.Thread(target=work, args=(n,))\n    t.start()\n    t.join()\n" \
              "    return 3 * n\n"  # the thread is gone when the call returns; its CPU time is not
     alone = "def solve(n):\n    return 3 * n\n"
     verdicts = sandbox.measure([thread, child, joined, alone], TESTS, EXPECTED, TIMING, TIMING_EXPECTED,
                                THREADS_ALLOWED, repeats=3)
-    for v, clock in zip(verdicts, ("wall", "wall", "wall", "cpu" if namespaced() else "wall")):
-        assert v.status == "correct" and v.clock == clock and len(v.times) == 3
+    for name, v, clock in zip(("thread", "child", "joined", "alone"), verdicts,
+                              ("wall", "wall", "wall", "cpu" if namespaced() else "wall")):
+        assert v.status == "correct" and v.clock == clock and len(v.times) == 3, (name, v.status, v.clock, v.times)
         if clock == "wall":
             assert v.times == v.wall_times
 
