@@ -41,7 +41,7 @@ def _as_json(args) -> dict:
 
 def folder_state(module, args) -> str:
     """What output_dir/run_name holds for these arguments: 'finished' (its final evaluation is logged at
-    --total-steps), 'resume' (a checkpoint of this run), 'stale' (another run, or one stopped before its first
+    --total-steps, after the first; or the one of a run of 0 steps), 'resume' (a checkpoint of this run), 'stale' (another run, or one stopped before its first
     checkpoint) or 'fresh' (nothing)."""
     run_dir = os.path.join(args.output_dir, args.run_name)
     if not os.path.exists(run_dir):
@@ -55,8 +55,8 @@ def folder_state(module, args) -> str:
     if not same_args(saved, _as_json(args), _as_json(module.Args())):
         return "stale"
     evals = [r for r in rows if "eval/greedy_accuracy" in r]
-    if len(evals) >= 2 and evals[-1]["step"] == args.total_steps:
-        return "finished"
+    if evals and evals[-1]["step"] == args.total_steps and (len(evals) >= 2 or args.total_steps == 0):
+        return "finished"  # a run of no steps (ppo_slm's stages alone) logs its one evaluation at step 0
     return "resume" if find_checkpoint(run_dir) else "stale"
 
 
@@ -159,6 +159,7 @@ def verdict_lines(done: list, seeds, judge, rule: str) -> list[str]:
     ['', '## Verdict: shown', '', 'rule', '', '- a']
     """
     if done != list(seeds) or len(done) < 2:
-        return ["", f"Incomplete: seeds finished {done or 'none'} of {list(seeds)}; rerun the command."]
+        then = "; rerun the command." if len(list(seeds)) >= 2 else "; a verdict needs two seeds: rerun with both."
+        return ["", f"Incomplete: seeds finished {done or 'none'} of {list(seeds)}{then}"]
     verdict, notes = judge(done)
     return ["", f"## Verdict: {verdict}", "", rule, "", *[f"- {x}" for x in notes]]

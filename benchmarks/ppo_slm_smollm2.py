@@ -236,6 +236,10 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
     return "\n".join(lines) + "\n"
 
 
+ARMS = ("ppo", "noisy_on", "noisy_off")
+"""The arms made per seed (the stages, the naive path and the ratio runs are made once, with seed 1)."""
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds of the outcome and noisy-RM runs")
@@ -245,6 +249,8 @@ def main():
     p.add_argument("--bf16-steps", type=int, default=2, help="PPO steps of the float32 / bfloat16 ratio runs")
     p.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="the ratio runs to make (bf16 is 25x slower on a CPU: leave it out of a smoke run)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                   help="the per-seed arms to make (two processes can share a seed's arms; the report reads them all)")
     p.add_argument("--num-eval-prompts", type=int, default=80)
     p.add_argument("--num-eval-pairs", type=int, default=200)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "ppo_slm_smollm2.md"))
@@ -264,7 +270,7 @@ def main():
     def have(args) -> bool:
         return os.path.exists(os.path.join(cli.records, f"{args.run_name}.json"))
 
-    plan = [("ppo", s, []) for s in cli.seeds]
+    plan = [("ppo", s, []) for s in cli.seeds if "ppo" in cli.arms or cli.report_only]
     arm_runs = [run_args(cli, a, s, *f) for a, s, f in plan]
     small = ["--num-prompts", "8", "--minibatch-size", "4", "--max-new-tokens", "32", "--num-eval-prompts", "4",
              "--total-steps", str(cli.bf16_steps)]
@@ -297,6 +303,8 @@ def main():
         sigma = sum(r["rm/score_std"] for r in steps_of(clean)[:5]) / len(steps_of(clean)[:5])
         for seed in cli.seeds:
             for arm, flags in (("noisy_on", []), ("noisy_off", ENVELOPE_OFF)):
+                if arm not in cli.arms and not cli.report_only:
+                    continue
                 args = run_args(cli, arm, seed, *flags, "--rm-noise-std", f"{NOISE_SIGMAS * sigma:.4f}")
                 if cli.report_only and not have(args):
                     continue

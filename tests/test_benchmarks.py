@@ -91,6 +91,17 @@ def test_a_flag_added_later_at_its_default_is_the_same_run(tmp_path):
     assert claim_runs.folder_state(oc_grpo, dataclasses.replace(args, save_every=7)) == "finished"  # no effect
 
 
+def test_a_run_of_no_steps_is_finished_by_its_one_evaluation(tmp_path):
+    # ppo_slm's stages alone (--total-steps 0) log one evaluation, at step 0: a benchmark that needs their weights
+    # must find the folder finished, not move it aside and train the stages again
+    args = args_in(tmp_path, total_steps=0)
+    make_run(args, 0, final_eval=False, checkpoint=False)
+    assert claim_runs.folder_state(oc_grpo, args) == "finished"
+    longer = args_in(tmp_path, total_steps=3)
+    make_run(longer, 0, final_eval=False, checkpoint=False)  # the same row in a run of 3 steps: its start only
+    assert claim_runs.folder_state(oc_grpo, longer) == "stale"
+
+
 def test_an_interrupted_run_resumes_from_its_checkpoint(tmp_path):
     args, calls = args_in(tmp_path, total_steps=6), []
     make_run(args, 4, final_eval=False, checkpoint=True)
