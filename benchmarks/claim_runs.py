@@ -41,8 +41,8 @@ def _as_json(args) -> dict:
 
 def folder_state(module, args) -> str:
     """What output_dir/run_name holds for these arguments: 'finished' (its final evaluation is logged at
-    --total-steps, after the first; or the one of a run of 0 steps), 'resume' (a checkpoint of this run), 'stale' (another run, or one stopped before its first
-    checkpoint) or 'fresh' (nothing)."""
+    --total-steps, after the first; or the one of a run of 0 steps), 'resume' (a checkpoint of this run), 'stale'
+    (another run, or one stopped before its first checkpoint) or 'fresh' (nothing)."""
     run_dir = os.path.join(args.output_dir, args.run_name)
     if not os.path.exists(run_dir):
         return "fresh"

@@ -94,6 +94,32 @@ def debate_rows(record: dict) -> list[dict]:
     return [r for r in record["rows"] if "mada/eval/debate_accuracy" in r]
 
 
+def generator_lines(runs: dict) -> list[str]:
+    """Each trained generator of a seed: its held-out greedy accuracy after Stage 1 and its sampled replies' mean
+    length in tokens at its first and last Stage-1 step (a generator that learnt to say nothing shows here, and the
+    vote and the debate read its empty proposals)."""
+    lines = ["", "The generators after Stage 1 (the counterfactual run trains them; the plain run reuses them): "
+             "held-out greedy accuracy, and the mean length of their sampled replies at their first -> last training step "
+             "(tokens).", "", "| seed | " + " | ".join(f"generator {g}" for g in range(3)) + " | best generator | "
+             "final debate |", "|---|" + "---|" * 5]
+    for (arm, seed), rec in sorted(runs.items(), key=lambda kv: kv[0][1]):
+        if arm != "counterfactual":
+            continue
+        stage1 = [r for r in rec["rows"] if r.get("mada/stage") == 1 and "rollout/completion_len" in r]
+        after = debate_rows(rec)[-2]  # after Stage 1: the generators the critics read
+        if "mada/eval/single_accuracy/gen0" not in after:
+            continue
+        cells, best = [], 0.0
+        for g in range(3):
+            steps = [r["rollout/completion_len"] for r in stage1 if r.get("mada/agent") == g]
+            acc = after[f"mada/eval/single_accuracy/gen{g}"]
+            best = max(best, acc)
+            cells.append(f"{acc:.3f} ({steps[0]:.0f} -> {steps[-1]:.0f})" if steps else f"{acc:.3f}")
+        lines.append(f"| {seed} | " + " | ".join(cells) + f" | {best:.3f} | "
+                     f"{debate_rows(rec)[-1]['mada/eval/debate_accuracy']:.3f} |")
+    return lines if len(lines) > 5 else []
+
+
 def arm_lines(runs: dict, cli) -> list[str]:
     """The arms' table and verdicts from {(arm, seed): record}."""
     n = cli.num_eval_problems
@@ -122,6 +148,7 @@ def arm_lines(runs: dict, cli) -> list[str]:
                      f"{fin['mada/eval/debate_accuracy'] - fin['mada/eval/majority_accuracy']:+.3f} | "
                      f"{f(fin['mada/eval/improvement_rate'])} | {f(fin['mada/eval/break_rate'])} | {beats:+.3f} | "
                      f"{fin.get('mada/train_time_s', rec['seconds']) / 60:.0f} |")
+    lines += generator_lines(runs)
     params = next((debate_rows(r)[0] for r in runs.values()), {})
     if "mada/trainable_params_per_agent" in params:
         lines += ["", f"Trainable parameters: {params['mada/trainable_params_per_agent']:,} an agent, "

@@ -197,6 +197,21 @@ def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics()
     assert "Incomplete: seeds finished [1] of [1, 2]" in "\n".join(arm_lines(half, cli))
 
 
+def test_mada_report_shows_each_generator_and_a_mute_one():
+    from benchmarks.mada_smollm2 import generator_lines
+
+    def ev(debate, each):
+        return {"mada/eval/debate_accuracy": debate,
+                **{f"mada/eval/single_accuracy/gen{g}": a for g, a in enumerate(each)}}
+
+    lengths = {0: (41.0, 13.0), 1: (46.0, 1.2), 2: (47.0, 2.0)}
+    stage1 = [{"mada/stage": 1, "mada/agent": g, "rollout/completion_len": n} for g in range(3) for n in lengths[g]]
+    rec = {"rows": [ev(0.15, (0.15,) * 3), *stage1, ev(0.275, (0.375, 0.0, 0.0)), ev(0.375, (0.375, 0.0, 0.0))]}
+    text = "\n".join(generator_lines({("counterfactual", 1): rec, ("plain", 1): rec}))
+    assert "| 1 | 0.375 (41 -> 13) | 0.000 (46 -> 1) | 0.000 (47 -> 2) | 0.375 | 0.375 |" in text
+    assert text.count("| 1 |") == 1  # the plain arm reuses the generators: one row a seed
+
+
 def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
     from benchmarks.ppo_slm_smollm2 import collapsed
 
