@@ -12,7 +12,8 @@ reward model are trained once (`stages`, seed 1; the RM's held-out pair accuracy
    standard PEFT/TRL path does) against merge-and-reinit: trainable language-model tensors, whether the LoRA moves
    (its B matrices leave 0) and what the run does;
 2. bfloat16 ratios: `--ppo-dtype bfloat16` against float32, two PPO steps each from the same SFT model and seed on a
-   small batch (bfloat16 is 25x slower on this CPU, benchmarks/cpu_precision.md): the importance ratio's max, the
+   small batch (bfloat16 can be far slower on a CPU without native bfloat16: 25x under autocast in
+   benchmarks/cpu_precision.md): the importance ratio's max, the
    fraction of tokens above 10 or not finite (safety/ratio_above_10) and the guard's skips;
 3. reward-model error: N(0, (2 sigma)^2) added to every training score (sigma: the RM score std of the clean run's
    first 5 steps, the paper's stress test) with the safety envelope on (score whitening and clip, reward whitening,
@@ -21,17 +22,20 @@ reward model are trained once (`stages`, seed 1; the RM's held-out pair accuracy
    same held-out prompts, judged by the clean reward model and by the verifier (the final answer), and greedy
    accuracy before and after.
 
-The rules, written before the runs (n held-out prompts; noise of a rate: +-1.96 sqrt(p(1-p)/n)):
-- freeze: shown if the naive path has no trainable language-model tensor and stops at its first update, while
-  merge-and-reinit trains every LoRA B matrix.
+The rules, written before the runs (n held-out prompts; noise of a rate: +-1.96 sqrt(p(1-p)/n), of a difference of
+two rates: claim_runs.margin; the collapse rule's "partly" and its noise were made precise after seed 1's envelope-on
+run and before any envelope-off run was recorded):
+- freeze: shown if the naive path has no trainable language-model tensor and stops before or at its first update,
+  while merge-and-reinit trains every LoRA B matrix.
 - bfloat16: shown if the bfloat16 run's max ratio exceeds the guard's 5 (or any ratio is above 10 or not finite)
   while float32's stays below 5; else not shown.
 - collapse (defined before running): the held-out greedy accuracy ends below half the SFT policy's, or the run stops
   early (rollback limit, KL below -50). Shown if the noisy run collapses with the envelope off and not with it on,
-  on every seed run; partly if it does not collapse either way but ends lower (greedy accuracy beyond the noise)
-  with the envelope off; else not shown.
+  on every seed run; partly if no run collapses either way but the envelope-off run ends lower on every seed
+  (greedy accuracy, the difference beyond the noise of two rates); else not shown.
 - outcome: shown if the RM win rate is above 0.5 beyond the noise on both seeds with the verifier's win rate at 0.5
-  or above; partly if above 0.5 on both inside the noise, or beyond it on one; else not shown.
+  or above; partly if above 0.5 on both inside the noise, or beyond it on one, or beyond on both with the verifier
+  below 0.5; else not shown.
 
     python benchmarks/ppo_slm_smollm2.py            # stages, then every arm (estimated at 2-3 hours of one thread)
     python benchmarks/ppo_slm_smollm2.py --seeds 2 --dtypes   # beside it, once the stages are recorded: seed 2's runs
@@ -59,14 +63,16 @@ from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
 
 MODEL, LEVEL = "smollm2-135m-instruct", 3
 NOISE_SIGMAS = 2.0
-"""the injected RM error, in units of the RM's score std on the SFT policy's rollouts (the paper: N(0, 2 sigma))"""
+"""the injected RM error, in units of the RM's score std over the clean seed-1 run's first 5 steps (the paper:
+N(0, 2 sigma))"""
 ENVELOPE_OFF = ["--no-score-norm", "--no-whiten-rewards", "--no-ratio-guard", "--no-rollback"]
 
 
 def stage_flags(cli) -> list[str]:
     """The ground of every run: model, data, generation and the two supervised stages (the paper's T 0.9, top-p 0.95
     and LoRA rank 16 for SmolLM2-135M; 64 new tokens: a level-3 worked solution is about 40 tokens)."""
-    return ["--model-name", MODEL, "--sft-lora-r", "16", "--lora-r", "16", "--dataset", "testbed-nl", "--levels", str(LEVEL), "--num-train-examples", "500",
+    return ["--model-name", MODEL, "--sft-lora-r", "16", "--lora-r", "16", "--dataset", "testbed-nl",
+            "--levels", str(LEVEL), "--num-train-examples", "500",
             "--num-eval-pairs", str(cli.num_eval_pairs), "--num-eval-prompts", str(cli.num_eval_prompts),
             "--max-new-tokens", "64", "--temperature", "0.9", "--top-p", "0.95", "--sft-steps", str(cli.sft_steps),
             "--sft-batch-size", "16", "--rm-steps", str(cli.rm_steps), "--rm-batch-size", "16", "--log-samples", "4"]
@@ -126,6 +132,14 @@ def collapsed(record: dict, sft_greedy: float, total_steps: int) -> bool:
     return final["eval/greedy_accuracy"] < sft_greedy / 2 or len(steps_of(record)) < total_steps
 
 
+def fate(record: dict, collapsed_: bool) -> str:
+    """'collapsed (0.300)', 'collapsed (stopped at step 12, 0.700)' or 'did not collapse (0.775)': with the final
+    greedy accuracy."""
+    n, acc = len(steps_of(record)), evals_of(record)[-1]["eval/greedy_accuracy"]
+    stopped = f"stopped at step {n}, " if collapsed_ and n < record["args"]["total_steps"] else ""
+    return f"{'collapsed' if collapsed_ else 'did not collapse'} ({stopped}{acc:.3f})"
+
+
 def run_row(name: str, seed: int, rec: dict) -> str:
     steps, first, final = steps_of(rec), evals_of(rec)[0], evals_of(rec)[-1]
     last = steps[-5:] or [{}]
@@ -174,7 +188,8 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
         lines += ["", "## 2. bfloat16 importance ratios", "",
                   f"`--ppo-dtype float32` / `bfloat16`, {cli.bf16_steps} PPO steps of 8 prompts (mini-batches of 4), "
                   "32 new tokens, seed 1, the same SFT model.", "",
-                  "| dtype | max ratio | tokens with ratio > 10 or not finite | guard skips | logits fixed | minutes |",
+                  "| dtype | max ratio | largest fraction of a step's tokens with ratio > 10 or not finite | "
+                  "guard skips | logits fixed | minutes |",
                   "|---|---|---|---|---|---|"]
         stats = {}
         for dt in dtypes:
@@ -199,7 +214,10 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
         for name, seed in noisy:
             lines.append(run_row(name, seed, runs[(name, seed)]))
         seeds = sorted({s for _, s in noisy if ("noisy_on", s) in runs and ("noisy_off", s) in runs})
-        if seeds:
+        if seeds != sorted(cli.seeds) or len(seeds) < 2:
+            lines += ["", f"Incomplete: seeds with both noisy runs {seeds or 'none'} of {list(cli.seeds)} (a verdict "
+                      "needs two); rerun the command."]
+        else:
             col = {(a, s): collapsed(runs[(a, s)], sft_greedy, cli.steps) for a in ("noisy_on", "noisy_off")
                    for s in seeds}
             acc = {(a, s): evals_of(runs[(a, s)])[-1]["eval/greedy_accuracy"] for a in ("noisy_on", "noisy_off")
@@ -208,15 +226,15 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
                 verdict = "shown"
             elif any(col[("noisy_on", s)] for s in seeds):
                 verdict = "not shown (the envelope did not prevent a collapse)"
-            elif any(acc[("noisy_on", s)] - acc[("noisy_off", s)] > margin(acc[("noisy_on", s)],
-                                                                           acc[("noisy_off", s)], n) for s in seeds):
-                verdict = "partly shown (no collapse either way; the envelope ends higher beyond the noise)"
+            elif not any(col.values()) and all(acc[("noisy_on", s)] - acc[("noisy_off", s)] >
+                                               margin(acc[("noisy_on", s)], acc[("noisy_off", s)], n) for s in seeds):
+                verdict = ("partly shown (no collapse either way; the envelope ends higher beyond the noise on each "
+                           "seed)")
             else:
                 verdict = "not shown"
             lines += ["", f"Verdict, collapse (seeds {seeds}): {verdict}. " + "; ".join(
-                f"seed {s}: off {'collapsed' if col[('noisy_off', s)] else 'did not collapse'} "
-                f"({acc[('noisy_off', s)]:.3f}), on {'collapsed' if col[('noisy_on', s)] else 'did not collapse'} "
-                f"({acc[('noisy_on', s)]:.3f})" for s in seeds)]
+                f"seed {s}: off {fate(runs[('noisy_off', s)], col[('noisy_off', s)])}, "
+                f"on {fate(runs[('noisy_on', s)], col[('noisy_on', s)])}" for s in seeds)]
     outcome = sorted(s for a, s in runs if a == "ppo")
     if outcome:
         lines += ["", "## 4. The outcome: PPO against the SFT policy", *head]
@@ -248,9 +266,10 @@ def main():
     p.add_argument("--rm-steps", type=int, default=150)
     p.add_argument("--bf16-steps", type=int, default=2, help="PPO steps of the float32 / bfloat16 ratio runs")
     p.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                   help="the ratio runs to make (bf16 is 25x slower on a CPU: leave it out of a smoke run)")
+                   help="the ratio runs to make (bf16 can be far slower on a CPU: leave it out of a smoke run)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
-                   help="the per-seed arms to make (two processes can share a seed's arms; the report reads them all)")
+                   help="the per-seed arms to make (two processes can share a seed's arms; the full report afterwards: "
+                        "--report-only)")
     p.add_argument("--num-eval-prompts", type=int, default=80)
     p.add_argument("--num-eval-pairs", type=int, default=200)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "ppo_slm_smollm2.md"))

@@ -225,6 +225,43 @@ def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
     assert collapsed(rec(0.6, 12), 0.6, 40)  # stopped early (rollback limit or KL)
 
 
+def test_ppo_collapse_verdict_waits_for_both_seeds_and_needs_the_off_arm_to_collapse_on_each():
+    import copy
+
+    from benchmarks import ppo_slm_smollm2 as ppo_bench
+
+    records = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "runs",
+                           "ppo_slm_smollm2")
+    load = lambda name: json.load(open(os.path.join(records, f"{name}.json")))  # noqa: E731
+    on = load("noisy_on_seed1")  # the envelope-on run of seed 1 (0.762 -> 0.775)
+
+    def ending(acc=None, stop=None):
+        rec = copy.deepcopy(on)
+        if stop:  # stopped early: the final evaluation is logged at the last step it took
+            final = {k: v for k, v in rec["rows"][-1].items() if k.startswith("eval/")}
+            rec["rows"] = [r for r in rec["rows"] if r.get("step", 0) <= stop]
+            rec["rows"][-1].update(final)
+        if acc is not None:
+            rec["rows"][-1]["eval/greedy_accuracy"] = acc
+        return rec
+
+    cli = types.SimpleNamespace(num_eval_prompts=80, steps=40, sft_steps=60, rm_steps=150, num_eval_pairs=200,
+                                bf16_steps=2, seeds=[1, 2])
+    runs = {("noisy_on", 1): on, ("noisy_off", 1): ending(acc=0.2)}
+
+    def verdict(runs):
+        text = ppo_bench.report(cli, load("stages"), load("naive"), runs, 0.7)
+        return [line for line in text.split("\n") if "collapse (" in line or "noisy runs" in line][0]
+
+    assert verdict(runs).startswith("Incomplete: seeds with both noisy runs [1] of [1, 2]")
+    both = {**runs, ("noisy_on", 2): ending(), ("noisy_off", 2): ending(stop=12)}
+    assert "collapse (seeds [1, 2]): shown" in verdict(both) and "stopped at step 12" in verdict(both)
+    mixed = {**runs, ("noisy_on", 2): ending(), ("noisy_off", 2): ending(acc=0.76)}
+    assert "collapse (seeds [1, 2]): not shown" in verdict(mixed)  # off collapsed on one seed only
+    lower = {("noisy_on", s): ending() for s in (1, 2)} | {("noisy_off", s): ending(acc=0.55) for s in (1, 2)}
+    assert "partly shown" in verdict(lower)  # no collapse; 0.775 against 0.550 beyond the noise on both
+
+
 def test_a_report_from_the_records_never_runs(tmp_path):
     args, calls = args_in(tmp_path), []
     try:
