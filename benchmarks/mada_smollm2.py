@@ -94,6 +94,10 @@ def debate_rows(record: dict) -> list[dict]:
     return [r for r in record["rows"] if "mada/eval/debate_accuracy" in r]
 
 
+SHORT = 5
+"""a generator whose sampled replies average fewer tokens than this at its last Stage-1 step writes no worked answer"""
+
+
 def generator_lines(runs: dict) -> list[str]:
     """Each trained generator of a seed: its held-out greedy accuracy after Stage 1 and its sampled replies' mean
     length in tokens at its first and last Stage-1 step (a generator that learnt to say nothing shows here, and the
@@ -102,6 +106,7 @@ def generator_lines(runs: dict) -> list[str]:
              "held-out greedy accuracy, and the mean length of their sampled replies at their first -> last training step "
              "(tokens).", "", "| seed | " + " | ".join(f"generator {g}" for g in range(3)) + " | best generator | "
              "final debate |", "|---|" + "---|" * 5]
+    notes = []
     for (arm, seed), rec in sorted(runs.items(), key=lambda kv: kv[0][1]):
         if arm != "counterfactual":
             continue
@@ -117,7 +122,16 @@ def generator_lines(runs: dict) -> list[str]:
             cells.append(f"{acc:.3f} ({steps[0]:.0f} -> {steps[-1]:.0f})" if steps else f"{acc:.3f}")
         lines.append(f"| {seed} | " + " | ".join(cells) + f" | {best:.3f} | "
                      f"{debate_rows(rec)[-1]['mada/eval/debate_accuracy']:.3f} |")
-    return lines if len(lines) > 5 else []
+        base = debate_rows(rec)[0]["mada/eval/single_accuracy"]
+        below = sum(after[f"mada/eval/single_accuracy/gen{g}"] < base for g in range(3))
+        short = sum(bool(n) and n[-1] < SHORT for n in ([r["rollout/completion_len"] for r in stage1
+                                                         if r.get("mada/agent") == g] for g in range(3)))
+        notes.append(f"seed {seed}: {below} of 3 generators end below the base model alone ({base:.3f}); {short} of 3 "
+                     f"sample replies of under {SHORT} tokens on average at their last step")
+    if len(lines) == 5:
+        return []
+    return lines + ["", "Stage 1 on this ground: " + "; ".join(notes) + ". The vote and the debate read these "
+                    "generators, so a debate above their vote is not a debate above the base model."]
 
 
 def arm_lines(runs: dict, cli) -> list[str]:

@@ -201,7 +201,7 @@ def test_mada_report_shows_each_generator_and_a_mute_one():
     from benchmarks.mada_smollm2 import generator_lines
 
     def ev(debate, each):
-        return {"mada/eval/debate_accuracy": debate,
+        return {"mada/eval/debate_accuracy": debate, "mada/eval/single_accuracy": sum(each) / 3,
                 **{f"mada/eval/single_accuracy/gen{g}": a for g, a in enumerate(each)}}
 
     lengths = {0: (41.0, 13.0), 1: (46.0, 1.2), 2: (47.0, 2.0)}
@@ -210,6 +210,7 @@ def test_mada_report_shows_each_generator_and_a_mute_one():
     text = "\n".join(generator_lines({("counterfactual", 1): rec, ("plain", 1): rec}))
     assert "| 1 | 0.375 (41 -> 13) | 0.000 (46 -> 1) | 0.000 (47 -> 2) | 0.375 | 0.375 |" in text
     assert text.count("| 1 |") == 1  # the plain arm reuses the generators: one row a seed
+    assert "seed 1: 2 of 3 generators end below the base model alone (0.150); 2 of 3 sample replies of under 5" in text
 
 
 def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
