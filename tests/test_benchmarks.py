@@ -178,11 +178,11 @@ def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
 def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics():
     from benchmarks.mada_smollm2 import arm_lines
 
-    def rec(debate, vote, untrained=0.3):
-        ev = lambda d: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
-                        "mada/eval/single_accuracy": 0.3, "mada/eval/improvement_rate": 0.1,
-                        "mada/eval/break_rate": 0.2}
-        return {"rows": [ev(untrained), ev(debate), {"mada/stage": 3, "mada/beats_generators": 0.05}],
+    def rec(debate, vote, untrained=0.3, generators=0.3):
+        ev = lambda d, single=0.3: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
+                                    "mada/eval/single_accuracy": single, "mada/eval/improvement_rate": 0.1,
+                                    "mada/eval/break_rate": 0.2}
+        return {"rows": [ev(untrained), ev(debate, generators), {"mada/stage": 3, "mada/beats_generators": 0.05}],
                 "seconds": 60.0}
 
     cli = types.SimpleNamespace(num_eval_problems=40, agent_steps=10, seeds=[1, 2])
@@ -192,6 +192,12 @@ def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics()
     text = "\n".join(arm_lines({(a, s): rec(0.35, 0.3) for a in ("counterfactual", "plain") for s in (1, 2)}, cli))
     assert "## Verdict, debate: partly shown" in text  # above the vote on both seeds, inside the noise
     assert "## Verdict, critic: not shown" in text  # equal to the plain critics
+    broken = {(a, s): rec(0.8 if a == "counterfactual" else 0.4, 0.0, generators=0.0 if s == 2 else 0.3)
+              for a in ("counterfactual", "plain") for s in (1, 2)}
+    text = "\n".join(arm_lines(broken, cli))  # seed 2's generators end below the base model (0.0 against 0.3)
+    assert "## Verdict, debate: premise fails (Stage 1 left the generators below the base model alone on seed 2; " \
+           "the rule alone would say: shown)" in text
+    assert "## Verdict, critic: shown" in text  # both critic arms read the same generators: still compared
     half = {k: v for k, v in {(a, s): rec(0.8, 0.3) for a in ("counterfactual", "plain") for s in (1, 2)}.items()
             if k != ("plain", 2)}
     assert "Incomplete: seeds finished [1] of [1, 2]" in "\n".join(arm_lines(half, cli))
