@@ -104,8 +104,9 @@ def generator_lines(runs: dict) -> list[str]:
     vote and the debate read its empty proposals)."""
     lines = ["", "The generators after Stage 1 (the counterfactual run trains them; the plain run reuses them): "
              "held-out greedy accuracy, and the mean length of their sampled replies at their first -> last "
-             "training step (tokens).", "", "| seed | " + " | ".join(f"generator {g}" for g in range(3)) + " | best generator | "
-             "final debate |", "|---|" + "---|" * 5]
+             "training step (tokens).", "",
+             "| seed | " + " | ".join(f"generator {g}" for g in range(3)) + " | best generator | final debate |",
+             "|---|" + "---|" * 5]
     notes = []
     for (arm, seed), rec in sorted(runs.items(), key=lambda kv: kv[0][1]):
         if arm != "counterfactual":
@@ -114,18 +115,14 @@ def generator_lines(runs: dict) -> list[str]:
         after = debate_rows(rec)[-2]  # after Stage 1: the generators the critics read
         if "mada/eval/single_accuracy/gen0" not in after:
             continue
-        cells, best = [], 0.0
-        for g in range(3):
-            steps = [r["rollout/completion_len"] for r in stage1 if r.get("mada/agent") == g]
-            acc = after[f"mada/eval/single_accuracy/gen{g}"]
-            best = max(best, acc)
-            cells.append(f"{acc:.3f} ({steps[0]:.0f} -> {steps[-1]:.0f})" if steps else f"{acc:.3f}")
-        lines.append(f"| {seed} | " + " | ".join(cells) + f" | {best:.3f} | "
+        acc = [after[f"mada/eval/single_accuracy/gen{g}"] for g in range(3)]
+        lens = [[r["rollout/completion_len"] for r in stage1 if r.get("mada/agent") == g] for g in range(3)]
+        cells = [f"{a:.3f} ({n[0]:.0f} -> {n[-1]:.0f})" if n else f"{a:.3f}" for a, n in zip(acc, lens)]
+        lines.append(f"| {seed} | " + " | ".join(cells) + f" | {max(acc):.3f} | "
                      f"{debate_rows(rec)[-1]['mada/eval/debate_accuracy']:.3f} |")
         base = debate_rows(rec)[0]["mada/eval/single_accuracy"]
-        below = sum(after[f"mada/eval/single_accuracy/gen{g}"] < base for g in range(3))
-        short = sum(bool(n) and n[-1] < SHORT for n in ([r["rollout/completion_len"] for r in stage1
-                                                         if r.get("mada/agent") == g] for g in range(3)))
+        below = sum(a < base for a in acc)
+        short = sum(bool(n) and n[-1] < SHORT for n in lens)
         notes.append(f"seed {seed}: {below} of 3 generators end below the base model alone ({base:.3f}); {short} of 3 "
                      f"sample replies of under {SHORT} tokens on average at their last step")
     if len(lines) == 5:
@@ -194,15 +191,14 @@ def arm_lines(runs: dict, cli) -> list[str]:
         # the debate's ground: generators at least as good as the base model alone. Where Stage 1 left them below it
         # on a seed, their vote is no baseline for the paper's claim, whatever the rule computes (CLAIMS.md: a run on
         # a failed premise is reported, never as evidence)
-        broken = [s for s in done if fin("counterfactual", s, "single_accuracy") <
-                  debate_rows(runs[("counterfactual", s)])[0]["mada/eval/single_accuracy"]]
+        alone = {s: debate_rows(runs[("counterfactual", s)])[0]["mada/eval/single_accuracy"] for s in done}
+        broken = [s for s in done if fin("counterfactual", s, "single_accuracy") < alone[s]]
         if broken:
             debate[1] = (f"## Verdict, debate: premise fails (Stage 1 left the generators below the base model alone "
                          f"on seed{'s' if len(broken) > 1 else ''} {', '.join(map(str, broken))}; the rule alone would "
                          f"say: {debate[1].split(': ', 1)[1]})")
             debate.append("- the debate against the base model alone: " + "; ".join(
-                f"seed {s}: {fin('counterfactual', s, 'debate_accuracy'):.3f} against "
-                f"{debate_rows(runs[('counterfactual', s)])[0]['mada/eval/single_accuracy']:.3f}" for s in done))
+                f"seed {s}: {fin('counterfactual', s, 'debate_accuracy'):.3f} against {alone[s]:.3f}" for s in done))
         else:
             debate[1] = debate[1].replace("Verdict", "Verdict, debate")
         critic[1] = critic[1].replace("Verdict", "Verdict, critic")
