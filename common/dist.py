@@ -18,7 +18,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
+import glob
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -38,12 +41,50 @@ def init_distributed(device: str, timeout_minutes: float = 180.0) -> tuple[int, 
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     if not dist.is_initialized():
+        import torch.distributed.nn.functional  # noqa: F401  (before the group exists: see release_process_group)
+
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
-        # released at exit, with no barrier (a rank that ends early, or fails, never waits); left to the interpreter's
-        # teardown, gloo's threads were sometimes destroyed running (SIGABRT, failing the torchrun job)
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        atexit.register(release_process_group)
     return rank, world, device
+
+
+def release_process_group() -> None:
+    """Registered at exit by init_distributed (and shard_models' one-process group): destroy the process group and
+    free it, with no barrier (a rank that ends early, or fails, never waits), while the interpreter is whole.
+
+    Why more than destroy_process_group: under FSDP2 the group outlived it. DTensor caches its sharding plans in
+    lru caches keyed by device mesh, and each DeviceMesh holds the group in `_pg_registry`, so the group and gloo's
+    threads (gloo_tcp_loop, pt_gloo_runloop) lived on into the interpreter's teardown, where the group was freed
+    at an arbitrary point of module clean-up and a rank sometimes aborted ("terminate called without an active
+    exception", SIGABRT). Emptying the meshes' registries frees the group here, in the main thread, with every
+    module alive. A gloo thread still running afterwards (a model kept alive past exit) is named on stderr, which
+    tests/test_fsdp.py asserts never happens in the trainers and the suite's torchrun scripts."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.destroy_process_group()
+    if "torch.distributed.device_mesh" in sys.modules:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+            mesh._pg_registry.clear()
+    gc.collect()
+    left = sorted(n for n in _thread_names() if n.startswith(("gloo", "pt_gloo")))
+    if left:
+        print(f"[dist] pid {os.getpid()}: gloo threads still running at exit ({', '.join(left)}): an object outside "
+              "the process group still holds it", file=sys.stderr, flush=True)
+
+
+def _thread_names() -> list[str]:
+    """The names of this process's threads (Linux; none elsewhere)."""
+    names = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return names
 
 
 def _all_reduce_(x: torch.Tensor) -> None:
@@ -146,6 +187,7 @@ def shard_models(args, *models):
     if not dist.is_initialized():  # a single process: a group of one, so that FSDP has a mesh
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(release_process_group)
     mesh = init_device_mesh(device.type if device is not None else "cpu", (dist.get_world_size(),))
     low = getattr(args, "dtype", "float32") != "float32" and getattr(args, "master_weights", False)
     mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32) if low

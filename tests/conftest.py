@@ -11,6 +11,14 @@ os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(2)
 
 
+def assert_released_at_exit(r) -> None:
+    """A torchrun job (a finished subprocess.run) whose ranks freed their process group before the interpreter's
+    teardown: common.dist.release_process_group names any gloo thread still running at exit, and a rank that
+    aborted in teardown prints "terminate called". Either used to fail CI now and then (SIGABRT at exit)."""
+    for sign in ("gloo threads still running at exit", "terminate called"):
+        assert sign not in r.stderr, "\n".join(ln for ln in r.stderr.splitlines() if sign in ln or "[dist]" in ln)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A randomly initialised 2-layer Qwen2 with the testbed tokenizer (not warm-started)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_released_at_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,10 +24,11 @@ def _failure(r) -> str:
 
 
 def _torchrun(*cmd, env=None, timeout=300, nproc=2):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                           *cmd], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert_released_at_exit(r)
+    return r
 
 
 UPDATE_CHECKED = ["grpo", "rloo_sec", "oc_grpo", "adakp"]  # and mada_rl, below
@@ -39,12 +41,6 @@ def update_results(tmp_path_factory, weak_model_dir) -> dict:
     out = tmp_path_factory.mktemp("fsdp_update") / "out.json"
     trainers = ",".join([*UPDATE_CHECKED, "mada_rl"])
     r = _torchrun("tests/fsdp_update_check.py", trainers, weak_model_dir, str(out))
-    if r.returncode != 0 and "exitcode: -" in r.stderr:
-        # A gloo child killed by a signal is retried once; a Python error or a wrong result is not. The SIGABRT seen
-        # here ("terminate called without an active exception" at a finished rank's exit) became rarer once
-        # init_distributed released the group at exit (test below), but one was still seen in a full-suite run
-        # afterwards, cause not found; the torchrun smoke runs retry the same way (smoke_runs).
-        r = _torchrun("tests/fsdp_update_check.py", trainers, weak_model_dir, str(out))
     assert r.returncode == 0, _failure(r)
     return json.loads(out.read_text())
 
@@ -202,16 +198,9 @@ SMOKE = {  # trainer: its flags for 2 short steps (rlpf: the code model and its 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory, weak_model_dir) -> dict:
     """Every trainer in SMOKE, by its own main() under torchrun on 2 ranks with --fsdp, all in one launch
-    (tests/torchrun_mains.py: one start-up, not six): trainer -> its run folder. Run once more in fresh folders
-    when a child was killed by a signal (a Python error or a wrong result is never retried).
-
-    Why a retry: a rank whose work is done can still abort at interpreter exit (SIGABRT, "terminate called without an
-    active exception"), a known PyTorch/gloo teardown race: gloo's worker threads can outlive the interpreter's
-    finalisation (pytorch/pytorch issue 190489, open; the atexit fix proposed upstream in PR 179291 was abandoned as
-    more involved than it looked). common/dist.py releases the process group at exit, which made it rare (6 aborts in
-    92 runs before, 0 in 70 after, measured under load; 0 in 30 runs of a minimal 2-rank FSDP2 script since), but
-    it was seen once more in a full CI run and could not be reproduced alone, so it stays outside this project's
-    reach and the retry stays."""
+    (tests/torchrun_mains.py: one start-up, not six): trainer -> its run folder. No retry: the SIGABRT some ranks met
+    at exit ("terminate called without an active exception") was a process group freed during the interpreter's
+    teardown, now freed before it (common.dist.release_process_group); `_torchrun` asserts that it was."""
     def launch(folder: str):
         out = tmp_path_factory.mktemp(folder)
         spec = [[name, [weak_model_dir if f == "WEAK" else f for f in flags] + ["--output-dir", str(out),
@@ -221,8 +210,6 @@ def smoke_runs(tmp_path_factory, weak_model_dir) -> dict:
         return _torchrun("tests/torchrun_mains.py", str(out / "spec.json"), timeout=900), out
 
     r, out = launch("smoke")
-    if r.returncode != 0 and "exitcode: -" in r.stderr:
-        r, out = launch("smoke_retry")
     assert r.returncode == 0, _failure(r)
     return {name: out / name for name in SMOKE}
 

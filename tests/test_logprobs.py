@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import assert_released_at_exit
 
 from common import rollout
 from common.models import PADDED_ROW_LOGIT, enable_gradient_checkpointing
@@ -292,6 +293,7 @@ def test_gradient_checkpointing_under_fsdp_gives_the_plain_update(tmp_path):
                         "tests/fsdp_checkpointing_check.py", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert_released_at_exit(r)
     res = json.loads(out.read_text())
     plain, ckpt = res["checkpointing=False"], res["checkpointing=True"]
     assert plain["max_diff"] < 1e-6 and ckpt["max_diff"] < 1e-6, res

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import tyro
+from conftest import assert_released_at_exit
 
 import direct_opd
 import grpo
@@ -48,9 +49,11 @@ def torchrun_runs(tmp_path_factory, weak_model_dir):
 
     def launch(*runs):
         (out / "spec.json").write_text(json.dumps(runs))
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "tests/torchrun_mains.py", str(out / "spec.json")], cwd=ROOT, capture_output=True,
-                              text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "tests/torchrun_mains.py", str(out / "spec.json")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert_released_at_exit(r)
+        return r
 
     first = launch(run("rloo_sec", "straight"), run("adakp", "straight"), run("adakp", "killed"))
     assert first.returncode != 0 and "run finished: adakp" in first.stdout, first.stderr[-3000:]  # killed last
