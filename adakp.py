@@ -244,7 +244,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt)
+                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -525,13 +525,13 @@ def main(args: Args) -> dict:
             weigh = not skip and args.correction != "none"  # the context-shift weights (none for a skipped update)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature,
-                                            args.micro_batch_size, args.share_prompt)
+                                            args.micro_batch_size, args.share_prompt, args.top_p)
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)
             hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
             if weigh and max_over_ranks(int(hinted_B.any()), model):  # --fsdp: on every rank if any shows KPs
                 hint_logp_BC = batched_logprobs(model, rollouts, args.temperature,
-                                                args.micro_batch_size, args.share_prompt)
+                                                args.micro_batch_size, args.share_prompt, args.top_p)
                 w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
                                                                              args.is_clip_min), w_BC)
             batch = dict(input_ids_BT=train_rollouts.input_ids_BT, attention_mask_BT=train_rollouts.attention_mask_BT,
@@ -539,7 +539,7 @@ def main(args: Args) -> dict:
                          sampler_logp_BC=rollouts.sampler_logp_BC if not weigh else None,
                          old_logp_BC=old_logp_BC if needs_old else None,
                          ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt)
+                                                      args.micro_batch_size, args.share_prompt, args.top_p)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched

@@ -385,6 +385,9 @@ def main(args: Args) -> dict:
         fail("--tis token: Direct-OPD's loss at a position is an expectation over the student's top-K tokens under "
              "the trainer's own probabilities, so the sampled token's ratio corrects nothing there; use --tis sequence "
              "(the whole completion's ratio corrects the states it was sampled through)")
+    if args.top_p < 1:  # the top-K support, its weights and the teachers' log-ratio live on the whole softmax
+        fail(f"--top-p {args.top_p}: Direct-OPD's top-K support, its weights and the teachers' log-ratio are over the "
+             "whole vocabulary's softmax, which a nucleus sampler does not draw from; keep --top-p 1")
     ckpt = open_checkpoint(args.resume, rank, world)
     # the student's token ids go to the teachers unchanged: one vocabulary, checked before any model loads
     model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged

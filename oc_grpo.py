@@ -295,7 +295,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt)
+                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -380,7 +380,7 @@ def hint_weights(model, old_logp_BC, rows: list, guided: list[int], width: int, 
     padded = guided + [0] * (max_over_ranks(len(guided), model) - len(guided))
     hint = attach([rows[b][0] for b in padded], [rows[b][1] for b in padded], pad_id, width)
     hint_logp_BC = batched_logprobs(model, hint, args.temperature,
-                                    args.micro_batch_size, args.share_prompt)[: len(guided)]
+                                    args.micro_batch_size, args.share_prompt, args.top_p)[: len(guided)]
     return importance_weights(old_logp_BC[guided], hint_logp_BC, hint.completion_mask_BC[: len(guided)],
                               args.correction, args.is_clip_min), hint_logp_BC
 
@@ -509,7 +509,7 @@ def main(args: Args) -> dict:
             shifted = not skip and not hinted and max_over_ranks(len(guided_rows), model) > 0  # trained off the prompt
             hint_pass = shifted and (args.correction != "none" or sampler_logp_BC is not None)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
-            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
+            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt, args.top_p)
                            if needs_old or hint_pass else None)
             w_BC = torch.ones_like(mask_BC)
             if hint_pass:  # --fsdp: on every rank when any rank has guided rows
@@ -525,7 +525,7 @@ def main(args: Args) -> dict:
                          sampler_logp_BC=sampler_logp_BC,
                          old_logp_BC=old_logp_BC if needs_old else None,
                          ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt)
+                                                      args.micro_batch_size, args.share_prompt, args.top_p)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched

@@ -246,14 +246,16 @@ def gae(rewards_BC, values_BC, mask_BC, gamma: float, lam: float):
     return adv_BC * mask_BC, (adv_BC + values_BC) * mask_BC
 
 
-def policy_forward(model, ids_BT, attn_BT, prompt_len: int, temperature: float):
-    """Completion-token log-probs (at the sampling temperature), values V_t from the model's value head
+def policy_forward(model, ids_BT, attn_BT, prompt_len: int, temperature: float, top_p: float = 1.0):
+    """Completion-token log-probs (at the sampling temperature, over the top-p nucleus the sampler drew from),
+    values V_t from the model's value head
     (`model.v_head` on the last hidden state) and entropies (no grad)."""
     C = ids_BT.shape[1] - prompt_len
     out = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT),
                 output_hidden_states=True, use_cache=False, logits_to_keep=C + 1)  # the LM head on completions only
-    # token_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
-    logp_BC, entropy_BC = token_logprobs(out.logits[:, :-1], ids_BT[:, prompt_len:], temperature, with_entropy=True)
+    # token_logprobs: log_softmax(logits / T) over the sampler's support, gathered at the completion ids, chunked
+    logp_BC, entropy_BC = token_logprobs(out.logits[:, :-1], ids_BT[:, prompt_len:], temperature, with_entropy=True,
+                                         top_p=top_p)
     values_BC = model.v_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()).squeeze(-1)
     return logp_BC, values_BC, entropy_BC
 
@@ -286,7 +288,7 @@ def ppo_loss(logp_BC, values_BC, batch: dict, rows, args: Args, n_tok: float):
 def old_logprobs_values(policy, rollouts, args: Args, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and values of the rollouts under the policy that sampled them, minibatch_size rows at a time."""
     parts = [policy_forward(policy, rollouts.input_ids_BT[r].to(device), rollouts.attention_mask_BT[r].to(device),
-                            rollouts.prompt_len, args.temperature)
+                            rollouts.prompt_len, args.temperature, args.top_p)
              for r in torch.arange(len(rollouts.input_ids_BT)).split(args.minibatch_size)]
     mask_BC = rollouts.completion_mask_BC
     return torch.cat([p[0] for p in parts]).cpu() * mask_BC, torch.cat([p[1] for p in parts]).cpu() * mask_BC
@@ -441,7 +443,7 @@ def main(args: Args) -> dict:
         with timed(times, "logprobs"):
             old_logp_BC, values_BC = old_logprobs_values(policy, rollouts, args, device)
             # batched_logprobs: the reference's log_softmax(logits / T) at the completion ids, no grad, 0 past the end
-            ref_logp_BC = batched_logprobs(ref_model, rollouts, args.temperature, args.minibatch_size)
+            ref_logp_BC = batched_logprobs(ref_model, rollouts, args.temperature, args.minibatch_size, top_p=args.top_p)
 
         # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages
         kl_BC = (old_logp_BC - ref_logp_BC) * mask_BC
@@ -463,7 +465,7 @@ def main(args: Args) -> dict:
                     n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))  # all ranks' tokens
                     logp_BC, new_values_BC, entropy_BC = policy_forward(
                         policy, ids_BT[rows].to(device), attn_BT[rows].to(device), rollouts.prompt_len,
-                        args.temperature)
+                        args.temperature, args.top_p)
                     loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
                     stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
                     mean_ratio = (all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()

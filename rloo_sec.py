@@ -225,7 +225,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt)
+                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -410,10 +410,10 @@ def main(args: Args) -> dict:
         with timed(times, "logprobs"):
             needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1 or args.beta > 0)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
-            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt)
+            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt, args.top_p)
                            if needs_old else None)
             ref_logp_BC = (batched_logprobs(ref_model, rollouts, args.temperature,
-                                            args.micro_batch_size, args.share_prompt)
+                                            args.micro_batch_size, args.share_prompt, args.top_p)
                            if ref_model is not None else None)
 
         # ALGO LOGIC: 4a. the KL to the reference folded into the reward, and the advantages of that reward

@@ -398,7 +398,7 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
     logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt)
+                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -623,10 +623,10 @@ def main(args: Args) -> dict:
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
                          sampler_logp_BC=rollouts.sampler_logp_BC,
                          old_logp_BC=batched_logprobs(model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt)
+                                                      args.micro_batch_size, args.share_prompt, args.top_p)
                          if needs_old else None,
                          ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt)
+                                                      args.micro_batch_size, args.share_prompt, args.top_p)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched

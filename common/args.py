@@ -65,7 +65,8 @@ class RunArgs(ExperimentArgs):
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
     top_p: float = 1.0
-    """nucleus sampling (1.0 keeps the sampler exactly on-policy)"""
+    """nucleus sampling: the sampler draws from the top-p set renormalised, and the update scores the same
+    distribution (common.rollout.sampler_support), so the importance ratio stays 1 on-policy; 1: the whole vocabulary"""
     max_new_tokens: int = 8
     """completion length cap; completions without eos are 'truncated'"""
 

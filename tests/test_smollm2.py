@@ -145,3 +145,21 @@ def test_rollouts_keep_the_first_eos_and_mask_the_padding_after_it(smollm2_dir):
     assert out.truncated_B.tolist() == [False, True] and mask_BC[1].sum() == comp_BC.shape[1]
     assert out.texts[0] == "The capital of France is Paris."  # decoded without the eos
     assert out.attention_mask_BT[0, out.prompt_len + first_eos + 1 :].sum() == 0
+
+
+def test_trainer_scores_the_nucleus_the_sampler_drew_from(smollm2_dir):
+    """On SmolLM2's 49,152-token vocabulary, where a nucleus keeps a few tokens of many: the trainer's log-probs of
+    sampled tokens under --top-p 0.8 equal the sampler's (the importance ratio is 1 on-policy), while the
+    whole-vocabulary softmax would put them lower by the kept mass."""
+    from common.rollout import HFEngine, batched_logprobs
+
+    tok, model = load_tokenizer(smollm2_dir, ""), load_model(smollm2_dir)
+    question = Problem(question="Write one sentence about the sea.", answer="", task="math")
+    ids = tok([render_prompt(question, tok, template="{question}")], add_special_tokens=False)["input_ids"]
+    torch.manual_seed(0)
+    ro = HFEngine(model, tok).generate(ids, n=3, temperature=1.0, top_p=0.8, max_new_tokens=10, return_logprobs=True)
+    m = ro.completion_mask_BC.bool()
+    trainer = batched_logprobs(model, ro, temperature=1.0, micro_batch_size=3, top_p=0.8)
+    assert (trainer - ro.sampler_logp_BC)[m].abs().max().item() < 1e-3
+    full = batched_logprobs(model, ro, temperature=1.0, micro_batch_size=3)
+    assert (full - ro.sampler_logp_BC)[m].min().item() < -1e-2
