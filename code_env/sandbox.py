@@ -13,25 +13,33 @@ wrong_output, correct (with a runtime in seconds).
 Isolation, the strongest the platform gives (`isolation()` says which one is in use):
 
 - "namespaces" (root with CAP_SYS_ADMIN, as on this project's machines): new network, pid,
-  mount, IPC and UTS namespaces (unshare(2) via ctypes); private tmpfs over /tmp, /var/tmp
-  and /dev/shm (the candidate's scratch directory is /tmp/work in that tmpfs, gone when the
-  namespace dies), a fresh /proc, then the child drops to a fresh unprivileged uid (random,
-  one per run) with no capabilities and no supplementary groups.
+  mount, IPC and UTS namespaces (unshare(2) via ctypes); every mount read-only in that view,
+  private tmpfs over /tmp, /var/tmp and /dev/shm (the candidate's scratch directory is
+  /tmp/work in that tmpfs, gone when the namespace dies), a fresh /proc, then the child drops
+  to a fresh unprivileged uid (random, one per run) with no capabilities and no
+  supplementary groups.
 - "userns" (no root, unprivileged user namespaces allowed): the same namespaces inside a
   user namespace, then a nested user namespace so that the candidate cannot undo the mounts.
   The process-count limit then counts all processes of the trainer's user (it is set to the
   current count plus the limit).
 - "process" (neither works): a separate session with rlimits only; as root the child still
   drops to a fresh uid. Its scratch directory is a mkdtemp folder removed afterwards.
-  NOT protected in this mode: network access, reading and writing world-readable/writable
-  paths (/tmp), and (when the trainer is not root) signalling the trainer's processes.
+  NOT protected in this mode: network access (AF_UNIX aside, see below), reading and writing
+  world-readable/writable paths (/tmp, /var/tmp, /dev/shm, /run/lock: files there outlive the
+  run, a channel from one judging to the next), seeing the machine's processes, and (when the
+  trainer is not root) everything the trainer's user may do to its files and processes.
 
 Every mode: a minimal environment (no variable of the trainer's), `python -I -S` (no site
 packages, no PYTHON* variables, standard library only), rlimits on address space
 (RLIMIT_AS), CPU time, process count (RLIMIT_NPROC), file size and core dumps; a wall-clock
 limit per call and per run enforced by the judge (extended by the time the program waited for
 a CPU held by other load, at most LOAD_GRACE times), which kills the whole process group, the
-pid namespace (by killing its init) or, in "process" mode, every process of the sandbox uid.
+pid namespace (by killing its init) or, in "process" mode, every process of the sandbox uid;
+no_new_privs and a seccomp filter (`seccomp_filter`) that denies, with EPERM, the kernel state
+that outlives a process and that no namespace here hides: keyrings (add_key, request_key,
+keyctl), SysV IPC and POSIX message queues (private in the namespace modes, the host's in
+"process" mode), unix sockets (host services by path), io_uring; and any call of another ABI
+(i386, x32) with ENOSYS. docs/rlpf.md has the table of what each mode isolates.
 
 What the candidate cannot do: patch the clock (timing is read by the judge: the kernel's
 account of the CPU time of the candidate's process during a call, input decoding included, or
@@ -56,6 +64,7 @@ a noise floor per task); memory held in page cache or pipes outside RLIMIT_AS. T
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -99,6 +108,56 @@ class Limits:
     """'auto' (strongest that works), 'namespaces', 'userns' or 'process'"""
     label: str = ""
     """shown in the child's command line (ps), to find one caller's sandbox processes"""
+
+
+SECCOMP_ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+"""AUDIT_ARCH_* of the ABIs the seccomp filter knows (the syscall numbers below are theirs)."""
+DENIED_SYSCALLS = {
+    # kernel keyrings: keys are global objects (every namespace lists their serials in /proc/keys), a fresh uid's
+    # user keyring stays until reboot, and the trainer's session keyring is inherited: a key one judging added and
+    # made readable was read by the next; request_key can also start a helper program outside the sandbox
+    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219),
+    # SysV IPC and POSIX message queues: objects outlive their creator; only the namespace modes' IPC namespace
+    # hides the host's and is gone with the run, so "process" mode shared them between judgings
+    "shmget": (29, 194), "shmat": (30, 196), "shmctl": (31, 195), "shmdt": (67, 197),
+    "semget": (64, 190), "semop": (65, 193), "semctl": (66, 191), "semtimedop": (220, 192),
+    "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188), "msgctl": (71, 187),
+    "mq_open": (240, 180), "mq_unlink": (241, 181), "mq_timedsend": (242, 182), "mq_timedreceive": (243, 183),
+    "mq_notify": (244, 184), "mq_getsetattr": (245, 185),
+    # io_uring can open sockets without the socket call, past the AF_UNIX rule below
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+}
+"""System calls the candidate may not make, in every isolation mode: (x86_64 number, aarch64 number). Each
+returns EPERM. Also denied: socket(AF_UNIX, ...), since unix sockets reach the host's services by path in every
+mode (a network namespace hides only abstract ones, and "process" mode has none)."""
+SOCKET_NR = (41, 198)
+
+
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """The classic-BPF program (struct sock_filter[]) the child installs before any candidate code runs: EPERM
+    for DENIED_SYSCALLS and socket(AF_UNIX), ENOSYS for any call of another ABI (i386's `int 0x80`, x86_64's x32
+    numbers with bit 30 set: their numbers differ, so they are refused as a whole), everything else allowed."""
+    machine = machine or os.uname().machine
+    if machine not in SECCOMP_ARCHES or struct.calcsize("P") != 8:
+        raise RuntimeError(f"the sandbox's seccomp filter knows the system calls of 64-bit x86_64 and aarch64 "
+                           f"only, not {machine} ({8 * struct.calcsize('P')}-bit Python)")
+    col = list(SECCOMP_ARCHES).index(machine)
+    LD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_JMP|BPF_JGE|BPF_K,
+    # BPF_RET|BPF_K
+    NR, ARCH, ARG0 = 0, 4, 16  # offsets in struct seccomp_data (ARG0: the low half of args[0], little-endian)
+    # (code, jump if true, jump if false, k); a jump names its target, resolved into an offset at the end
+    prog = [(LD, 0, 0, ARCH), (JEQ, "next", "nosys", SECCOMP_ARCHES[machine]), (LD, 0, 0, NR)]
+    if machine == "x86_64":
+        prog.append((JGE, "nosys", "next", 0x40000000))
+    prog += [(JEQ, "deny", "next", nrs[col]) for nrs in DENIED_SYSCALLS.values()]
+    prog += [(JEQ, "next", "allow", SOCKET_NR[col]), (LD, 0, 0, ARG0), (JEQ, "deny", "allow", 1)]  # AF_UNIX: 1
+    labels = {"allow": len(prog), "deny": len(prog) + 1, "nosys": len(prog) + 2}
+    prog += [(RET, 0, 0, 0x7FFF0000), (RET, 0, 0, 0x00050000 | errno.EPERM), (RET, 0, 0, 0x00050000 | errno.ENOSYS)]
+    out = b""
+    for i, (code, jt, jf, k) in enumerate(prog):
+        jt, jf = (0 if j in (0, "next") else labels[j] - i - 1 for j in (jt, jf))
+        out += struct.pack("=HBBI", code, jt, jf, k)
+    return out
 
 
 # The child: trusted code that runs first in the sandbox process, sets it up, then loads the
@@ -207,6 +266,15 @@ if mode == "userns":  # nested user namespace: no capability over the mounts mad
     resource.setrlimit(resource.RLIMIT_NPROC, (cfg["own_nproc"], cfg["own_nproc"]))
 elif os.geteuid() == 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
+# last step of the setup, before any candidate code: no new privileges (setuid binaries), then the seccomp filter
+# (sandbox.seccomp_filter), which this process and all it starts keep
+check(libc.prctl(ctypes.c_int(38), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)),
+      "PR_SET_NO_NEW_PRIVS")
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+prog = bytes.fromhex(cfg["seccomp"])
+check(libc.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.byref(SockFprog(len(prog) // 8, prog)),
+                 ctypes.c_ulong(0), ctypes.c_ulong(0)), "seccomp filter")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 if mode == "process":
     send({"pid": os.getpid()})
 send({"setup": "ok"})
@@ -309,6 +377,7 @@ def start(source: str, limits: Limits, entry: str = "solve") -> tuple[Proc, dict
 
 
 def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, dict]:
+    seccomp = seccomp_filter()
     uid = _fresh_uid() if os.geteuid() == 0 else os.geteuid()
     scratch = ""
     if mode == "process":
@@ -322,7 +391,7 @@ def _start(source: str, limits: Limits, entry: str, mode: str) -> tuple[Proc, di
     r_fd, w_fd = os.pipe()
     cfg = dict(wfd=w_fd, uid=uid, mode=mode, scratch=scratch, memory_mb=limits.memory_mb, cpu_s=limits.cpu_s,
                file_mb=limits.file_mb, nproc=nproc, own_nproc=limits.nproc, entry=entry, tmpfs=tmpfs,
-               label=limits.label)
+               label=limits.label, seccomp=seccomp.hex())
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch or "/", "TMPDIR": scratch or "/tmp"}
     popen = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHILD_SRC, json.dumps(cfg)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(w_fd,), env=env,
@@ -666,6 +735,8 @@ def _kill_uid(uid: int) -> None:
 def isolation() -> str:
     """The strongest isolation mode that works here ('namespaces', 'userns' or 'process'), probed once."""
     if "mode" not in _ISOLATION:
+        seccomp_filter()  # no mode can start without it: say why once, not as three failed modes
+        why = []
         for mode in ("namespaces", "userns", "process"):
             if mode == "namespaces" and os.geteuid() != 0:
                 continue
@@ -673,13 +744,15 @@ def isolation() -> str:
                 p, first = _start("def solve():\n    return 1\n", Limits(call_s=10.0), "solve", mode)
                 reply, _ = call(p, (), Limits(call_s=10.0)) if first.get("status") == "ready" else (first, 0.0)
                 kill(p)
-            except (OSError, RuntimeError):
+            except (OSError, RuntimeError) as e:
+                why.append(f"{mode}: {str(e)[-300:]}")
                 continue
             if reply.get("value") == 1:
                 _ISOLATION["mode"] = mode
                 break
+            why.append(f"{mode}: {reply}")
         else:
-            raise RuntimeError("the sandbox cannot start a Python child here")
+            raise RuntimeError("the sandbox cannot start a Python child here (" + "; ".join(why) + ")")
     return _ISOLATION["mode"]
 
 

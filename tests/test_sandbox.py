@@ -1,10 +1,13 @@
 """Adversarial tests of code_env/sandbox.py: every case is a program written to break out or cheat.
 
 Each test checks the verdict, that it came within the limit, and (autouse fixture) that nothing is
-left behind: no sandbox process and no file the candidate tried to create outside its scratch dir.
+left behind: no sandbox process, no file the candidate tried to create outside its scratch dir, and no key
+with this run's token in the kernel's keyrings.
 """
 
+import ctypes
 import dataclasses
+import errno
 import json
 import os
 import select
@@ -59,9 +62,42 @@ def leftover_processes() -> list:
     return found
 
 
+KEYCTL_LIB = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {"x86_64": dict(add_key=248, request_key=249, keyctl=250, shmget=29, msgget=68, semget=64, mq_open=240,
+                     socket=41, io_uring_setup=425),
+      "aarch64": dict(add_key=217, request_key=218, keyctl=219, shmget=194, msgget=186, semget=190, mq_open=180,
+                      socket=198, io_uring_setup=425)}[os.uname().machine]
+def sys_call(nr, *args):  # the raw system call: the result, or minus the errno
+    r = libc.syscall(ctypes.c_long(nr), *(ctypes.c_long(a) if isinstance(a, int) else a for a in args))
+    return r if r != -1 else -ctypes.get_errno()
+def keyctl(*args):
+    return sys_call(NR["keyctl"], *args)
+KEYRINGS = {"thread": -1, "process": -2, "session": -3, "user": -4, "user-session": -5}
+"""
+
+
+def token_keys() -> list:
+    """Key serials of /proc/keys (those this process may view) whose description holds this run's token."""
+    with open("/proc/keys") as f:
+        return [int(line.split()[0], 16) for line in f if TOKEN in line]
+
+
+def invalidate(serials):  # KEYCTL_INVALIDATE: a key a candidate left behind would otherwise stay until reboot
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+    for serial in serials:
+        if nr:
+            libc.syscall(ctypes.c_long(nr), ctypes.c_long(21), ctypes.c_long(serial))
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     yield
+    left = token_keys()
+    invalidate(left)
+    assert left == [], "a key the candidate added is still in the kernel's keyrings"
     deadline = time.monotonic() + 2.0  # the kernel tears a pid namespace down asynchronously
     while leftover_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -457,6 +493,85 @@ def solve(n):
         assert v.status == "correct" and len(v.times) == 3 and "HIT" not in v.stdout
     with pytest.raises(ValueError, match="need 5 timing inputs"):  # a round would repeat an input: a memo would hit
         sandbox.measure([src], TESTS, EXPECTED, TIMING, TIMING_EXPECTED, LIMITS, repeats=4)
+
+
+def test_the_kernel_keyring_keeps_nothing_from_one_judging_to_the_next():
+    """Keys are global kernel objects (their serials are listed in /proc/keys in every namespace) and a fresh uid's
+    user keyring lives until reboot: a key one judging links there, readable by all, was read by the next."""
+    writer = KEYCTL_LIB + f"""
+def solve(n):
+    for name, ring in KEYRINGS.items():
+        serial = sys_call(NR["add_key"], b"user", b"tp-key-{TOKEN}-" + name.encode(), b"answer", 6, ring)
+        # readable by every uid (KEYCTL_SETPERM), and linked into the user keyring (KEYCTL_LINK), which outlives us
+        print("add", name, serial, keyctl(5, serial, 0x3f3f3f3f), keyctl(8, serial, -4))
+    return 3 * n
+"""
+    reader = KEYCTL_LIB + f"""
+def solve(n):
+    with open("/proc/keys") as f:
+        for line in f:
+            if "tp-key-{TOKEN}" in line:
+                buf = ctypes.create_string_buffer(64)
+                print("FOUND", line.strip(), keyctl(11, int(line.split()[0], 16), buf, 64), buf.value)  # KEYCTL_READ
+    for name, ring in KEYRINGS.items():
+        for desc in (b"tp-key-{TOKEN}-" + n.encode() for n in KEYRINGS):
+            for found in (keyctl(10, ring, b"user", desc, 0), sys_call(NR["request_key"], b"user", desc, None, 0)):
+                if found > 0:
+                    print("FOUND", name, desc, found)
+    print("searched")
+    return 3 * n
+"""
+    try:
+        first, _ = judge(writer)
+        second, _ = judge(reader)
+        assert first.status == "correct" and second.status == "correct", (first.message, second.message)
+        assert "searched" in second.stdout and "FOUND" not in second.stdout, (first.stdout, second.stdout)
+    finally:
+        invalidate(token_keys())
+
+
+def test_keyring_and_ipc_calls_fail_inside_the_sandbox():
+    """Denied in every isolation mode (a seccomp filter): the keyring calls, SysV IPC and POSIX message queues (their
+    state outlives the process, and only the namespace modes have a private IPC namespace), unix sockets (they reach
+    the host's services by path, and in "process" mode its abstract ones) and io_uring (which could open them)."""
+    src = KEYCTL_LIB + """
+def solve(n):
+    IPC_PRIVATE, IPC_CREAT = 0, 0o1000
+    calls = {"add_key": sys_call(NR["add_key"], b"user", b"tp-key", b"answer", 6, KEYRINGS["session"]),
+             "request_key": sys_call(NR["request_key"], b"user", b"tp-key", None, 0),
+             "keyctl": keyctl(0, KEYRINGS["user"], 1),  # KEYCTL_GET_KEYRING_ID, creating the user keyring
+             "join_session": keyctl(1, None),  # KEYCTL_JOIN_SESSION_KEYRING: a new anonymous one
+             "shmget": sys_call(NR["shmget"], IPC_PRIVATE, 4096, IPC_CREAT | 0o600),
+             "msgget": sys_call(NR["msgget"], IPC_PRIVATE, IPC_CREAT | 0o600),
+             "semget": sys_call(NR["semget"], IPC_PRIVATE, 1, IPC_CREAT | 0o600),
+             "mq_open": sys_call(NR["mq_open"], b"tp-mq", os.O_CREAT | os.O_RDWR, 0o600, None),
+             "socket_unix": sys_call(NR["socket"], 1, 1, 0),  # AF_UNIX, SOCK_STREAM
+             "socket_unix_high_bits": sys_call(NR["socket"], (1 << 32) | 1, 1, 0),  # the kernel reads an int
+             "io_uring_setup": sys_call(NR["io_uring_setup"], 1, ctypes.create_string_buffer(120))}
+    if os.uname().machine == "x86_64":  # the x32 ABI's add_key (bit 30 set): a filter must not let it through
+        calls["x32_add_key"] = sys_call(0x40000000 | NR["add_key"], b"user", b"tp-key", b"answer", 6, -3)
+    print(json.dumps(calls))
+    return 3 * n
+"""
+    p, first = sandbox.start(src, LIMITS)
+    try:
+        assert first["status"] == "ready", first
+        reply, _ = sandbox.call(p, (1,), LIMITS)
+        assert reply.get("value") == 3, reply
+    finally:
+        sandbox.kill(p)
+    calls = json.loads(p.out["stdout"].decode().strip().splitlines()[-1])
+    want = {name: -errno.EPERM for name in calls}
+    if "x32_add_key" in calls:
+        want["x32_add_key"] = -errno.ENOSYS
+    assert calls == want
+    if os.geteuid() == 0:  # a fresh uid: the kernel keeps no keyring quota for it (it did, until reboot)
+        with open("/proc/key-users") as f:
+            assert str(p.uid) not in [line.split(":")[0].strip() for line in f]
+    # everything else still works: an AF_INET socket, a pipe, a file in the scratch folder
+    ok = "import os, socket\ndef solve(n):\n    socket.socket().close()\n    os.pipe()\n" \
+         "    open('f', 'w').close()\n    return 3 * n\n"
+    assert judge(ok)[0].status == "correct"
 
 
 def test_embedded_tasks_slow_and_fast_references_differ_far_beyond_noise():
