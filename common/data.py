@@ -135,10 +135,11 @@ def read_json_records(path: str) -> tuple[list, list[str]]:
     return rows, where
 
 
-def distinct(problems: list[Problem], where: list[str], source: str, report: bool = True) -> list[Problem]:
+def distinct(problems: list[Problem], where: list[str], source: str, report: bool = True,
+             split: bool = True) -> list[Problem]:
     """The problems whose question (whitespace aside) no earlier one has, in file order. Split by position alone, a
     file that repeats records put copies of its held-out problems into training (all 3 of a 30-record file's), so the
-    split is taken after this. With `report`, one console line counts what was dropped."""
+    split (`split`: this file is split) is taken after this. With `report`, one console line counts what was dropped."""
     first, kept, dropped = {}, [], []
     for i, p in enumerate(problems):
         j = first.setdefault(" ".join(p.question.split()), i)
@@ -149,7 +150,8 @@ def distinct(problems: list[Problem], where: list[str], source: str, report: boo
         i, j = dropped[0]
         print(f"note: {source}: {len(dropped)} of {len(problems)} records repeat an earlier record's question and are "
               f"dropped (the first: {name(i)} repeats {name(j)}" + (f"; {other} with another answer, the earlier one "
-              f"kept" if other else "") + f"), so no held-out problem is also a training one; {len(kept)} remain")
+              f"kept" if other else "") + ")" + (", so no held-out problem is also a training one" if split else "")
+              + f"; {len(kept)} remain")
     return [problems[i] for i, _ in kept]
 
 
@@ -182,7 +184,7 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
                  f"{type(e).__name__}: {' '.join(str(e).split())}")
     problems = rows_to_problems(rows, dataset, question_field, answer_field, solution_field, level_field, where)
     if one_file:  # once per file: by the 'train' load, or the one load of a held-out file read whole
-        problems = distinct(problems, where, dataset, report=whole or split not in ("test", "validation"))
+        problems = distinct(problems, where, dataset, whole or split not in ("test", "validation"), not whole)
     if one_file and not whole:
         if len(problems) < 2:
             one = "1 record" if len(rows) == 1 else f"{len(rows)} records of 1 question"

@@ -103,6 +103,9 @@ def test_repeated_records_never_put_a_held_out_problem_into_training(tmp_path, c
     assert out == (f"note: {f}: 15 of 30 records repeat an earlier record's question and are dropped (the first: line "
                    "16 repeats line 1; 1 with another answer, the earlier one kept), so no held-out problem is also a "
                    "training one; 15 remain\n")
+    assert len(load_problems(f, "test", whole=True)) == 15  # a held-out file read whole: its repeats dropped too
+    assert capsys.readouterr().out.endswith("(the first: line 16 repeats line 1; 1 with another answer, the earlier "
+                                            "one kept); 15 remain\n")
     assert len(load_problems(_twenty(tmp_path), "train")) == 18 and capsys.readouterr().out == ""  # no repeats: silent
 
 
