@@ -2,7 +2,8 @@
 
     --dataset testbed                 the embedded suite (levels from --levels)
     --dataset testbed-nl              the same kind of problems in words, for chat models (common/testbed_nl.py)
-    --dataset data/problems.jsonl     one JSON object per line; every 10th is held out (--eval-dataset: read whole)
+    --dataset data/problems.jsonl     one JSON object per line; repeated questions dropped, every 10th distinct record
+                                      held out (--eval-dataset: read whole)
     --dataset openai/gsm8k            any HF dataset (GSM8K, MATH-500 and similar fields)
     --dataset data/                   a local folder: data/<split>.jsonl (or .json), else read by `datasets`
 
@@ -28,6 +29,13 @@ ANSWER_FIELDS = ("answer", "ground_truth", "final_answer", "target", "output")
 SOLUTION_FIELDS = ("solution", "reasoning", "rationale")
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{{}}."
 MATH_TEMPLATE = "{question}\n" + MATH_INSTRUCTION
+MAX_FIELD_CHARS = 100_000
+"""The longest question, answer, solution or knowledge point a record may carry, in characters: a one-line error
+names the record (file and line) before any model work. 100,000 characters are about 25,000 tokens of English for a
+BPE tokenizer and 100,000 for the testbed's byte tokenizer: past the context of the embedded models (testbed 512,
+SmolLM2 8,192 positions), near that of Qwen2.5 (32,768), and far past any math problem; a longer field is a broken
+file (one 10 MB line was accepted and the run died 84 s later allocating 51 GB). --max-prompt-tokens does not lift
+it: it cuts prompts after tokenizing, and the fields are also read whole by the verifier and the samples log."""
 
 
 def _kind(value) -> str:
@@ -74,15 +82,21 @@ def rows_to_problems(rows: list[dict], source: str, question_field=None, answer_
             if name is not None and (not isinstance(value, types) or isinstance(value, bool)):
                 want = " or ".join(dict.fromkeys(_kind(t()) for t in types if t is not float))
                 fail(f"{where[i]}: record {i} field {name!r} is {_kind(value)}; expected {want}")
+        kps = row.get("kp_list") or []  # candidate knowledge points (KnowRL's field name)
+        if not (isinstance(kps, list) and all(isinstance(k, str) for k in kps)):
+            fail(f"{where[i]}: record {i} field 'kp_list' is {_kind(kps)}; expected a list of strings")
+        for name, value in [(q_name, row[q_name]), (a_name, row[a_name]), (s_name, row.get(s_name)), *(
+                ("kp_list", k) for k in kps)]:
+            if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+                fail(f"{where[i]}: record {i} field {name!r} is {len(value):,} characters long, over the limit of "
+                     f"{MAX_FIELD_CHARS:,} (common/data.py MAX_FIELD_CHARS: far past any math problem and the "
+                     "embedded models' contexts); shorten or remove that record")
         answer, solution = str(row[a_name]), str(row.get(s_name) or "") if s_name else ""
         if "####" in answer:  # GSM8K: "reasoning ... #### 72"
             parts = answer.split("####")
             solution, answer = solution or parts[0].strip(), strip_thousands(parts[-1].strip())
         level = row.get(l_name, 0) if l_name else 0
         level = int((re.findall(r"\d+", level) or [0])[0]) if isinstance(level, str) else level  # MATH: "Level 3"
-        kps = row.get("kp_list") or []  # candidate knowledge points (KnowRL's field name)
-        if not (isinstance(kps, list) and all(isinstance(k, str) for k in kps)):
-            fail(f"{where[i]}: record {i} field 'kp_list' is {_kind(kps)}; expected a list of strings")
         uid = str(row.get("id", row.get("unique_id", f"{source}:{i}")))
         problems.append(Problem(str(row[q_name]), answer, int(level or 0), solution, list(kps), task="math", uid=uid))
     return problems
@@ -121,13 +135,34 @@ def read_json_records(path: str) -> tuple[list, list[str]]:
     return rows, where
 
 
+def distinct(problems: list[Problem], where: list[str], source: str, report: bool = True,
+             split: bool = True) -> list[Problem]:
+    """The problems whose question (whitespace aside) no earlier one has, in file order. Split by position alone, a
+    file that repeats records put copies of its held-out problems into training (all 3 of a 30-record file's), so the
+    split (`split`: this file is split) is taken after this. With `report`, one console line counts what was dropped."""
+    first, kept, dropped = {}, [], []
+    for i, p in enumerate(problems):
+        j = first.setdefault(" ".join(p.question.split()), i)
+        (kept if j == i else dropped).append((i, j))
+    if dropped and report and os.environ.get("RANK", "0") == "0":
+        name = lambda i: f"line {where[i].rsplit(':', 1)[1]}" if where[i] != source else f"record {i}"  # noqa: E731
+        other = sum(problems[i].answer != problems[j].answer for i, j in dropped)
+        i, j = dropped[0]
+        print(f"note: {source}: {len(dropped)} of {len(problems)} records repeat an earlier record's question and are "
+              f"dropped (the first: {name(i)} repeats {name(j)}" + (f"; {other} with another answer, the earlier one "
+              f"kept" if other else "") + ")" + (", so no held-out problem is also a training one" if split else "")
+              + f"; {len(kept)} remain")
+    return [problems[i] for i, _ in kept]
+
+
 def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems: int = 0, seed: int = 0,
                   dataset_config: str | None = None, question_field: str | None = None,
                   answer_field: str | None = None, solution_field: str | None = None,
                   level_field: str | None = None, whole: bool = False) -> list[Problem]:
     """The problems of one split; `num_problems` > 0 keeps the first that many of it. A local .jsonl/.json file has
-    two, once every record is checked (errors name its line): every 10th record (index % 10 == 0) is held out ('test',
-    'validation'), the others are 'train'; with `whole` (held-out problems from another file) it is read whole."""
+    two, once every record is checked (errors name its line) and records that repeat an earlier record's question are
+    dropped (`distinct`): every 10th distinct record (index % 10 == 0) is held out ('test', 'validation'), the others
+    are 'train'; with `whole` (held-out problems from another file) it is read whole."""
     if dataset in ("testbed", "testbed-nl"):
         return (make_suite if dataset == "testbed" else make_nl_suite)(
             "test" if split in ("test", "validation") else "train", tuple(levels), num_problems or 500, seed)
@@ -148,9 +183,12 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
             fail(f"could not load dataset {dataset!r} (config {dataset_config!r}, split {split!r}): "
                  f"{type(e).__name__}: {' '.join(str(e).split())}")
     problems = rows_to_problems(rows, dataset, question_field, answer_field, solution_field, level_field, where)
+    if one_file:  # once per file: by the 'train' load, or the one load of a held-out file read whole
+        problems = distinct(problems, where, dataset, whole or split not in ("test", "validation"), not whole)
     if one_file and not whole:
         if len(problems) < 2:
-            fail(f"{dataset}: 1 record, too few to split into training and held-out problems (every 10th record is "
+            one = "1 record" if len(rows) == 1 else f"{len(rows)} records of 1 question"
+            fail(f"{dataset}: {one}, too few to split into training and held-out problems (every 10th record is "
                  "held out); add records, or pass a separate held-out file with --eval-dataset")
         problems = [p for i, p in enumerate(problems) if (i % 10 == 0) == (split in ("test", "validation"))]
     return problems[:num_problems] if num_problems else problems

@@ -87,6 +87,49 @@ def test_both_splits_check_every_record_and_name_its_line(tmp_path):
             load_problems(str(f), split)
 
 
+def test_repeated_records_never_put_a_held_out_problem_into_training(tmp_path, capsys):
+    """The split is by content: a 30-record file that lists 15 problems twice held out records 0, 10 and 20 while
+    their copies (records 15, 25, 5) trained. Repeats (whitespace aside) are dropped before every 10th distinct record
+    is held out, and one console line counts them."""
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(15)] * 2
+    rows[20] = {"question": "What is  5 +\t5? ", "answer": "11"}  # a copy of record 5 with other spacing and answer
+    f = _write(tmp_path / "rep.jsonl", rows)
+    train, held_out = load_train_eval(tyro.cli(grpo.Args, args=["--dataset", f]))
+    questions = lambda ps: {" ".join(p.question.split()) for p in ps}  # noqa: E731
+    assert questions(train).isdisjoint(questions(held_out))
+    assert [p.answer for p in held_out] == ["0", "20"] and len(train) == 13  # every 10th of the 15 distinct problems
+    assert len(questions(train) | questions(held_out)) == 15
+    out = capsys.readouterr().out  # both loads of the file: one line
+    assert out == (f"note: {f}: 15 of 30 records repeat an earlier record's question and are dropped (the first: line "
+                   "16 repeats line 1; 1 with another answer, the earlier one kept), so no held-out problem is also a "
+                   "training one; 15 remain\n")
+    assert len(load_problems(f, "test", whole=True)) == 15  # a held-out file read whole: its repeats dropped too
+    assert capsys.readouterr().out.endswith("(the first: line 16 repeats line 1; 1 with another answer, the earlier "
+                                            "one kept); 15 remain\n")
+    assert len(load_problems(_twenty(tmp_path), "train")) == 18 and capsys.readouterr().out == ""  # no repeats: silent
+
+
+def test_a_field_far_longer_than_any_context_is_a_one_line_error_naming_its_line(tmp_path):
+    """A 10 MB line was accepted and the run died 84 s later trying to allocate 51 GB. Now a field over
+    MAX_FIELD_CHARS is refused while the file is read, before a model loads, naming the file and line."""
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(20)]
+    rows[6]["question"] = "What is " + "1 + " * 2_500_000 + "1?"  # 10 MB
+    f = _write(tmp_path / "big.jsonl", rows)
+    with pytest.raises(SystemExit) as info:
+        load_train_eval(tyro.cli(grpo.Args, args=["--dataset", f]))
+    message = str(info.value)
+    assert message.startswith(f"error: {f}:7: record 6 field 'question' is 10,000,010 characters long, over the limit "
+                              "of 100,000") and "\n" not in message, message
+    from common.data import MAX_FIELD_CHARS
+
+    rows[0]["solution"] = "0 + 0 = 0"  # the first record names the fields
+    rows[6]["question"], rows[3]["solution"] = "What is 6 + 6?", "x" * (MAX_FIELD_CHARS + 1)  # a solution, too
+    with pytest.raises(SystemExit, match=r"big\.jsonl:4: record 3 field 'solution' is 100,001 characters long"):
+        load_problems(_write(tmp_path / "big.jsonl", rows), "test")
+    rows[3]["solution"] = "x" * MAX_FIELD_CHARS  # at the limit: accepted
+    assert len(load_problems(_write(tmp_path / "big.jsonl", rows), "train")) == 18
+
+
 def test_a_file_too_small_to_split_is_a_one_line_error(tmp_path, tiny_model_dir):
     one = _write(tmp_path / "one.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}])
     with pytest.raises(SystemExit) as info:

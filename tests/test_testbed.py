@@ -90,7 +90,12 @@ def test_tokenizer_roundtrips_through_autotokenizer(weak_model_dir):
 def test_warm_started_model_lands_in_the_calibrated_band(weak_model_dir):
     """The warm start stops when level-3 accuracy on the calibration quarter reaches 0.45, so on any machine
     the held-out level-3 accuracy (200 problems, binomial sd 0.035) lands near it: RL has headroom there, the
-    easy level is mastered and the hardest is out of reach."""
+    easy level is mostly mastered and the hardest is out of reach.
+
+    Only level 3 is held by the stop: the build is a different model on another CPU (AVX2 or AVX-512 kernels),
+    torch version or thread count, as with another build seed (docs/testbed.md). Over 11 builds (2 CPUs, 1-4
+    threads, build seeds 0-5) these problems gave level 1 0.765-1.000 (0.8 failed one of them), level 3
+    0.425-0.530, level 4 0.060-0.255, level 5 0.000-0.020: the bounds below hold with room on each."""
     model, tok = load_model(weak_model_dir), load_tokenizer(weak_model_dir)
     acc = {}
     for level in testbed.LEVELS:
@@ -98,7 +103,7 @@ def test_warm_started_model_lands_in_the_calibrated_band(weak_model_dir):
         acc[level] = evaluate(HFEngine(model, tok), tok, problems, max_new_tokens=64)["eval/greedy_accuracy"]
     print(acc)
     assert 0.35 <= acc[3] <= 0.70
-    assert acc[1] >= 0.8 and acc[5] <= 0.1
+    assert acc[1] >= 0.7 and acc[5] <= 0.1
     assert acc[1] > acc[3] > acc[4] >= acc[5]
 
 
