@@ -113,14 +113,14 @@ class TrainArgs(RunArgs):
     installed package, see docs/testbed.md), a Hugging Face id, or a local folder"""
     dataset: str = "testbed"
     """'testbed', 'testbed-nl' (the testbed's problems in words, for chat models), a local .jsonl/.json file (every
-    10th record is held out for evaluation, the others train), a folder of <split>.jsonl files, or a Hugging Face
+    10th distinct record is held out for evaluation, the others train; repeated questions are dropped), a folder of <split>.jsonl files, or a Hugging Face
     dataset name"""
     dataset_config: str | None = None
     """Hugging Face dataset config (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"
     """split used for training (Hugging Face datasets)"""
     eval_dataset: str = ""
-    """dataset for held-out evaluation (default: --dataset, its --eval-split; a local file's every 10th record). A
+    """dataset for held-out evaluation (default: --dataset, its --eval-split; a local file's every 10th distinct record). A
     different local file is read whole, and so is --dataset's file then"""
     eval_split: str = "test"
     """split used for held-out evaluation"""

@@ -155,7 +155,8 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
     (warmup, cosine down to a tenth of the rate) training continues at that low rate, and every
     `check_every` steps level-3 greedy accuracy is measured on the calibration quarter (never trained
     on, disjoint from the held-out one); the first check that reaches `target` ends the warm start.
-    What differs between machines is the step count, not where the model lands. Returns the steps taken;
+    Between machines (CPU kernels, torch version, thread count) the step count differs and so do the other levels'
+    accuracies (docs/testbed.md: level 1 0.765-1.000 over 11 builds); level 3 lands in its band. Returns the steps taken;
     fails with a clear error at `max_steps`. With `progress`, a bar runs to the next check (`next_check`: the
     end of the schedule, then check after check, so its ETA is for that, not for `max_steps`) and each check
     prints one line with the accuracy it measured.
