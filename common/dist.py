@@ -57,12 +57,14 @@ def release_process_group() -> None:
     lru caches keyed by device mesh, and each DeviceMesh holds the group in `_pg_registry`, so the group and gloo's
     threads (gloo_tcp_loop, pt_gloo_runloop) lived on into the interpreter's teardown, where the group was freed
     at an arbitrary point of module clean-up and a rank sometimes aborted ("terminate called without an active
-    exception", SIGABRT). Emptying the meshes' registries frees the group here, in the main thread, with every
-    module alive. A gloo thread still running afterwards (a model kept alive past exit) is named on stderr, which
+    exception", SIGABRT). Emptying the meshes' registries (and dropping an uncaught error's frames, already printed)
+    frees the group here, in the main thread, with every module alive. A gloo thread still running afterwards (a model kept alive past exit) is named on stderr, which
     tests/test_fsdp.py asserts never happens in the trainers and the suite's torchrun scripts."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.destroy_process_group()
+    for name in ("last_exc", "last_value", "last_traceback"):  # an uncaught error's frames (already printed) hold
+        setattr(sys, name, None)  # the group through their locals
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
 
