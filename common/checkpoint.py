@@ -143,9 +143,9 @@ def write_manifest(path: str, step: int) -> None:
     """Every file of the folder with its size and sha256, written last and atomically: the folder is now complete."""
     files = {}
     for root, _, names in os.walk(path):
-        for name in names:
-            file = os.path.join(root, name)
-            files[os.path.relpath(file, path)] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
+        for file in (os.path.join(root, name) for name in names):
+            if not os.path.relpath(file, path).startswith(MANIFEST):  # not itself, when a folder's is written again
+                files[os.path.relpath(file, path)] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
     with open(os.path.join(path, MANIFEST + ".part"), "w") as f:
         json.dump({"step": step, "files": files}, f, indent=1, sort_keys=True)
     os.replace(os.path.join(path, MANIFEST + ".part"), os.path.join(path, MANIFEST))
