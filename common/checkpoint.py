@@ -91,9 +91,10 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
                    os.path.join(tmp, "trainer_state.pt"))
         write_manifest(tmp, step)
     except Exception as e:
+        full = disk_full(e, run_dir)  # before the partial save is removed and frees its space
         if rank == 0:
             _remove(tmp)  # at once: a partial save holds space a full disk needs
-        if disk_full(e, run_dir):
+        if full:
             fail(f"the disk is full: the checkpoint of step {step} could not be written in {run_dir}; the partial save "
                  f"was removed and {_kept(run_dir)}")
         raise

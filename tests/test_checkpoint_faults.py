@@ -267,7 +267,7 @@ def _torch_disk_full_error() -> RuntimeError:
 def test_a_full_disk_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, tiny_model_dir, monkeypatch, capsys,
                                                                      error):
     """The save of step 2 meets a full disk (an OSError ENOSPC, or torch's own RuntimeError, the disk at 0 bytes
-    free): one line says the disk is full and where, the partial save is gone at once, and --resume continues from
+    free until the partial save is removed): one line says the disk is full and where, the partial save is gone at once, and --resume continues from
     step 1."""
     flags = [*TINY, "--model-name", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "run",
              "--save-every", "1"]
@@ -277,8 +277,9 @@ def test_a_full_disk_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, t
         _full_at(monkeypatch, "trainer_state.pt", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     else:
         _full_at(monkeypatch, "trainer_state.pt", _torch_disk_full_error())
-        usage = shutil.disk_usage  # what statvfs says of a full disk
-        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=0))
+        usage, partial = shutil.disk_usage, os.path.join(run_dir, "checkpoint.tmp")  # the partial save filled the disk
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=0) if os.path.exists(partial) else
+                            usage(p))
     with pytest.raises(SystemExit) as e:
         grpo.main(tyro.cli(grpo.Args, args=[*flags, "--total-steps", "2", "--resume", run_dir]))
     assert str(e.value.code) == (f"error: the disk is full: the checkpoint of step 2 could not be written in "
