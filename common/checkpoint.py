@@ -3,10 +3,19 @@ tokenizer, trainer_state.pt (step, world size, optimizer, scheduler and whatever
 for every rank r (its Python/NumPy/torch RNG states and prompt sampler), so that under torchrun each rank continues its
 own random stream and data order. Under --fsdp (FSDP2) every rank also writes its model and AdamW shards to
 checkpoint/sharded through torch.distributed.checkpoint (what resume reads); model.safetensors is the consolidated
-export."""
+export.
+
+A save writes checkpoint.tmp, then manifest.json last (every file's size and sha256): a folder is complete when it has
+one. Then the previous checkpoint is removed (its manifest first) and checkpoint.tmp renamed to checkpoint. A kill at
+any instant leaves at least one complete folder, and --resume takes the newest complete one of checkpoint,
+checkpoint.tmp and checkpoint.old (written by earlier versions); the next save first makes it `checkpoint` again.
+--resume and loading the folder as a model check every file against the manifest."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
 import random
@@ -24,7 +33,17 @@ from common.logger import read_metrics
 from common.models import load_model
 
 KILL_AFTER_SAVE = "TINYPOST_TEST_KILL_AFTER_SAVE"
-"""tests: SIGKILL the process right after the checkpoint of this step is written (a deterministic crash point)"""
+"""tests: SIGKILL the process at a deterministic point: STEP right after the checkpoint of that step is written;
+STEP:swap in its save, after the previous checkpoint is removed and before checkpoint.tmp is renamed into place"""
+MANIFEST = "manifest.json"
+"""written last into a checkpoint folder: {"step": N, "files": {relative path: {"bytes": n, "sha256": hex}}}"""
+FOLDERS = ("checkpoint", "checkpoint.old", "checkpoint.tmp")
+"""where a run's checkpoint can be, in order of preference at the same step (.old: written by earlier versions)"""
+
+
+def _crash_point(step: int, stage: str = "") -> None:
+    if os.environ.get(KILL_AFTER_SAVE) == f"{step}:{stage}".rstrip(":"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def set_rng_state(state: dict) -> None:
@@ -37,10 +56,10 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, sampler,
                     extra: dict | None = None, rank_extra: dict | None = None) -> str | None:
-    """Called by every rank. Rank 0 writes run_dir/checkpoint atomically (a crash mid-write leaves the previous one),
-    with each rank's RNG states, sampler and `rank_extra` (a trainer's per-rank state, e.g. adakp's knowledge points)
-    gathered into rank{r}_state.pt; `extra` (the same on every rank) to trainer_state.pt. `resume` returns both.
-    `optimizer` None: weights only (--no-save-optimizer)."""
+    """Called by every rank. Rank 0 writes run_dir/checkpoint (a kill at any point leaves a complete checkpoint: the
+    module's docstring) with each rank's RNG states, sampler and `rank_extra` (a trainer's per-rank state, e.g.
+    adakp's knowledge points) gathered into rank{r}_state.pt; `extra` (the same on every rank) to trainer_state.pt.
+    `resume` returns both. `optimizer` None: weights only (--no-save-optimizer)."""
     own = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
            "sampler": sampler.state_dict(), **(rank_extra or {})}
@@ -50,33 +69,135 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
         dist.gather_object(own, owns if rank == 0 else None, dst=0)
         if rank != 0 and not sharded:
             return None
-    final = os.path.join(run_dir, "checkpoint")
-    tmp, old = final + ".tmp", final + ".old"
+    final, tmp = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if sharded:  # FSDP2: every rank writes its shards; rank 0 also the consolidated model
-        if world > 1:
-            dist.barrier()  # tmp is cleared before anyone writes into it
-        save_sharded(tmp, model, optimizer)
-        if rank != 0:
-            return None
-    else:
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for r, state in enumerate(owns):
-        torch.save(state, os.path.join(tmp, f"rank{r}_state.pt"))
-    torch.save({"step": step, "world_size": world, "optimizer": None if sharded or not optimizer else
-                optimizer.state_dict(), "weights_only": not optimizer, "fsdp": sharded,
-                "scheduler": scheduler.state_dict(), **(extra or {})},
-               os.path.join(tmp, "trainer_state.pt"))
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-        os.replace(final, old)
+        keep_newest(run_dir)  # a run resumed from checkpoint.tmp or .old: never delete its only complete checkpoint
+        _remove(tmp)
+    try:
+        if sharded:  # FSDP2: every rank writes its shards; rank 0 also the consolidated model
+            if world > 1:
+                dist.barrier()  # tmp is cleared before anyone writes into it
+            save_sharded(tmp, model, optimizer)  # returns once every rank's shards are written (DCP's last collective)
+            if rank != 0:
+                return None
+        else:
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for r, state in enumerate(owns):
+            torch.save(state, os.path.join(tmp, f"rank{r}_state.pt"))
+        torch.save({"step": step, "world_size": world, "optimizer": None if sharded or not optimizer else
+                    optimizer.state_dict(), "weights_only": not optimizer, "fsdp": sharded,
+                    "scheduler": scheduler.state_dict(), **(extra or {})},
+                   os.path.join(tmp, "trainer_state.pt"))
+        write_manifest(tmp, step)
+    except Exception as e:
+        full = disk_full(e, run_dir)  # before the partial save is removed and frees its space
+        if rank == 0:
+            _remove(tmp)  # at once: a partial save holds space a full disk needs
+        if full:
+            fail(f"the disk is full: the checkpoint of step {step} could not be written in {run_dir}; the partial save "
+                 f"was removed and {_kept(run_dir)}")
+        raise
+    _remove(final)  # checkpoint.tmp is complete: a kill from here on resumes from it
+    _crash_point(step, "swap")
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.environ.get(KILL_AFTER_SAVE) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    _crash_point(step)
     return final
+
+
+def _kept(run_dir: str) -> str:
+    path = find_checkpoint(run_dir)
+    if path is None:
+        return "no earlier checkpoint exists: free some space and start again"
+    step = (_manifest(path) or {}).get("step")
+    return (f"{path if step is None else f'the checkpoint of step {step}'} is kept: free some space and continue with "
+            f"--resume {run_dir}")
+
+
+def _remove(path: str) -> None:
+    """Delete a checkpoint folder, its manifest first: a kill midway leaves a folder that is plainly incomplete."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, MANIFEST))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def keep_newest(run_dir: str) -> None:
+    """Leave only the newest complete checkpoint, as run_dir/checkpoint (a run resumed from checkpoint.tmp or .old
+    after a kill moves it back), and nothing that could be mistaken for it."""
+    best, final = find_checkpoint(run_dir), os.path.join(run_dir, "checkpoint")
+    for path in (os.path.join(run_dir, name) for name in FOLDERS):
+        if path != best:
+            _remove(path)
+    if best and best != final:
+        os.replace(best, final)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(path: str, step: int) -> None:
+    """Every file of the folder with its size and sha256, written last and atomically: the folder is now complete."""
+    files = {}
+    for root, _, names in os.walk(path):
+        for file in (os.path.join(root, name) for name in names):
+            if not os.path.relpath(file, path).startswith(MANIFEST):  # not itself, when a folder's is written again
+                files[os.path.relpath(file, path)] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
+    with open(os.path.join(path, MANIFEST + ".part"), "w") as f:
+        json.dump({"step": step, "files": files}, f, indent=1, sort_keys=True)
+    os.replace(os.path.join(path, MANIFEST + ".part"), os.path.join(path, MANIFEST))
+
+
+def _manifest(path: str) -> dict | None:
+    """The manifest of a checkpoint folder; None when it has none; {} when it cannot be read (check_files says so)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
+
+
+def check_files(path: str, where: str, model_only: bool = False) -> bool:
+    """Check every file a checkpoint folder's manifest lists (size, then sha256; `model_only`: what loading it as a
+    model reads, not the trainer and rank states or the FSDP shards): a one-line error naming the first file that is
+    missing or differs. False when the folder has no manifest (a model folder, or a checkpoint saved before them)."""
+    manifest = _manifest(path)
+    if manifest is None:
+        return False
+    if not manifest:
+        fail(f"{where}: {os.path.join(path, MANIFEST)} is corrupt (it lists the checkpoint's files)")
+    for name, want in sorted(manifest["files"].items()):
+        if model_only and (name.endswith(".pt") or name.startswith(SHARDED + os.sep)):
+            continue
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            fail(f"{where}: {file} is missing")
+        if os.path.getsize(file) != want["bytes"]:
+            fail(f"{where}: {file} is truncated or corrupt ({os.path.getsize(file)} bytes, {want['bytes']} when saved)")
+        if _sha256(file) != want["sha256"]:
+            fail(f"{where}: {file} is corrupt (its sha256 differs from the one saved with it)")
+    return True
+
+
+def disk_full(e: BaseException, folder: str) -> bool:
+    """Whether a failed write met a full disk: an OSError ENOSPC or EDQUOT in the exception's chain or text
+    (safetensors and DCP pass it on as text), or torch.save's short write (`unexpected pos`: torch drops the errno)
+    with under 64 MiB left in `folder`."""
+    chain = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(x) for x in chain)
+    return (any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for x in chain)
+            or any(os.strerror(n) in text for n in (errno.ENOSPC, errno.EDQUOT))
+            or "unexpected pos" in text and shutil.disk_usage(folder).free < 64 << 20)
 
 
 SHARDED = "sharded"
@@ -110,9 +231,14 @@ def load_sharded(path: str, model, optimizer) -> None:
 
 
 def find_checkpoint(run_dir: str) -> str | None:
-    """The checkpoint folder of a run, or the previous one if a save was interrupted mid-swap."""
-    paths = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old"))
-    return next((p for p in paths if os.path.exists(os.path.join(p, "trainer_state.pt"))), None)
+    """The newest complete checkpoint folder of a run (the highest step whose manifest is written; an unreadable
+    manifest counts, for check_files to report). A run whose checkpoints have no manifest (saved by earlier versions):
+    checkpoint, or checkpoint.old when a save was killed between its two renames."""
+    paths = [os.path.join(run_dir, name) for name in FOLDERS]
+    complete = [(m.get("step", -1), -i, p) for i, p in enumerate(paths) if (m := _manifest(p)) is not None]
+    if complete:
+        return max(complete)[2]
+    return next((p for p in paths[:2] if os.path.exists(os.path.join(p, "trainer_state.pt"))), None)
 
 
 def _first_line(e: Exception) -> str:
@@ -142,6 +268,8 @@ def open_checkpoint(resume: str, rank: int, world: int) -> dict | None:
     if path is None:
         fail(f"{where}: no checkpoint in that folder (expected {os.path.join(run_dir, 'checkpoint')}/trainer_state.pt, "
              "written every --save-every steps and at the end)")
+    if not check_files(path, where) and rank == 0:
+        print(f"note: {path} has no {MANIFEST} (saved before checksums): its files are not checked")
     state = _load(os.path.join(path, "trainer_state.pt"), where)
     if state.get("weights_only"):
         fail(f"{where}: {path} holds weights only (--no-save-optimizer), not a run to resume; load it by --model-name")

@@ -170,6 +170,9 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
 
     path = resolve_model(name)
     if os.path.isdir(path):
+        from common.checkpoint import check_files  # (imported here: common.checkpoint imports this module)
+
+        check_files(path, f"could not load model {name!r}", model_only=True)  # a checkpoint: the sha256 of each file
         check_weight_files(path)
     try:
         config = AutoConfig.from_pretrained(path)

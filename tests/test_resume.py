@@ -18,7 +18,7 @@ import direct_opd
 import grpo
 import oc_grpo
 import rloo_sec
-from common.checkpoint import KILL_AFTER_SAVE
+from common.checkpoint import KILL_AFTER_SAVE, write_manifest
 from common.data import load_problems
 from common.logger import read_metrics
 
@@ -38,7 +38,8 @@ ADAKP = ["--num-train-problems", "4", "--reselect-every", "1", "--probe", "rollo
 def torchrun_runs(tmp_path_factory, weak_model_dir):
     """rloo_sec.py and adakp.py on 2 processes (gloo, the plain data-parallel path), each run straight to step 4,
     killed right after the checkpoint of step 2, and resumed from it: three launches of tests/torchrun_mains.py
-    (each ends at its kill), not six. Returns the folder with the runs `<trainer>_straight`, `<trainer>_killed`."""
+    (each ends at its kill), not six. Returns the folder with the runs `<trainer>_straight`, `<trainer>_killed`, and
+    `grpo_fsdp` (2 steps under --fsdp: a sharded checkpoint)."""
     out = tmp_path_factory.mktemp("torchrun_resume")
     kill = {KILL_AFTER_SAVE: "2"}
 
@@ -55,7 +56,9 @@ def torchrun_runs(tmp_path_factory, weak_model_dir):
         assert_released_at_exit(r)
         return r
 
-    first = launch(run("rloo_sec", "straight"), run("adakp", "straight"), run("adakp", "killed"))
+    fsdp = ["grpo", ["--model-name", weak_model_dir, *TINY, "--total-steps", "2", "--fsdp", "--output-dir", str(out),
+                     "--run-name", "grpo_fsdp"], {}]
+    first = launch(run("rloo_sec", "straight"), run("adakp", "straight"), fsdp, run("adakp", "killed"))
     assert first.returncode != 0 and "run finished: adakp" in first.stdout, first.stderr[-3000:]  # killed last
     assert launch(run("rloo_sec", "killed")).returncode != 0
     resumed = launch(*[run(t, "killed", "--resume", str(out / f"{t}_killed")) for t in ("rloo_sec", "adakp")])
@@ -113,6 +116,29 @@ def test_adakp_torchrun_resume_restores_each_ranks_knowledge_point_state(torchru
             assert got[s][key] == ref[s][key], (s, key)
 
 
+def test_a_sharded_checkpoint_has_the_checksum_of_every_shard_and_resume_names_a_corrupted_one(torchrun_runs,
+                                                                                               tmp_path):
+    """An --fsdp checkpoint's manifest lists every rank's shard file with the rest; 4 KiB changed inside rank 1's
+    shard stops --resume with one line naming that file (tests/test_checkpoint_faults.py: the plain checkpoint)."""
+    from common.checkpoint import open_checkpoint
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(torchrun_runs / "grpo_fsdp", run_dir)
+    ckpt = os.path.join(run_dir, "checkpoint")
+    listed = set(json.loads(open(os.path.join(ckpt, "manifest.json")).read())["files"])
+    assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "model.safetensors",
+            "trainer_state.pt", "rank0_state.pt", "rank1_state.pt"} <= listed
+    assert open_checkpoint(run_dir, 1, 2)["state"]["fsdp"]
+    shard = os.path.join(ckpt, "sharded", "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b"\xff" * 4096)
+    with pytest.raises(SystemExit) as e:
+        open_checkpoint(run_dir, 1, 2)
+    assert str(e.value.code) == (f"error: --resume {run_dir}: {shard} is corrupt (its sha256 differs from the one "
+                                 "saved with it)")
+
+
 @pytest.mark.parametrize("trainer", ["grpo", "rloo_sec"])  # rloo_sec: a curriculum sampler with its own generator
 def test_a_different_world_size_resumes_with_new_streams(tmp_path, tiny_model_dir, capsys, trainer):
     """A checkpoint written by 2 processes resumes on 1 (FSDP2 shards in test_fsdp.py): weights, optimizer and
@@ -125,6 +151,7 @@ def test_a_different_world_size_resumes_with_new_streams(tmp_path, tiny_model_di
     run_dir = module.main(tyro.cli(module.Args, args=[*flags, "--total-steps", "2"]))["run_dir"]
     state_path = os.path.join(run_dir, "checkpoint", "trainer_state.pt")
     torch.save({**torch.load(state_path, weights_only=False), "world_size": 2}, state_path)
+    write_manifest(os.path.dirname(state_path), 2)  # as 2 processes would have saved it (its checksums match)
     saved = torch.load(os.path.join(run_dir, "checkpoint", "rank0_state.pt"), weights_only=False)
     capsys.readouterr()
     module.main(tyro.cli(module.Args, args=[*flags, "--resume", run_dir, "--total-steps", "3"]))
