@@ -1,10 +1,11 @@
 """Loading a policy and its tokenizer from a local folder or a Hugging Face id (the embedded names are turned into
-folders by grounds.model_path before they reach here)."""
+folders by grounds.path_of before they reach here)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import glob
 import json
 import os
@@ -12,13 +13,46 @@ import os
 import torch
 
 
+EMBEDDED_NAMES = ("testbed-weak", "testbed-strong", "smollm2-135m-instruct", "testbed-code")
+"""the models grounds/ builds locally (grounds.EMBEDDED_MODELS; named here for the error messages)"""
+
+
 def resolve_model(name: str) -> str:
-    """The folder or hub id to load: a name that looks like a local path must exist (one line, not a hub error)."""
+    """The folder or hub id to load, with a one-line error instead of a hub error or a minute of retries: a name that
+    looks like a local path must exist; a hub id not in the local cache needs the hub, which is asked once, with a
+    short timeout, whether it answers at all (else: say so, and name HF_HUB_OFFLINE and the embedded names)."""
     looks_local = name.startswith((".", "/", "~")) or os.path.sep in name and os.path.exists(name.split(os.path.sep)[0])
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         raise SystemExit(f"error: model path {name!r} does not exist (give a local folder, a hub id, "
-                         "or an embedded name: testbed-weak, testbed-strong, smollm2-135m-instruct)")
-    return os.path.expanduser(name) if looks_local else name
+                         f"or an embedded name: {', '.join(EMBEDDED_NAMES[:3])}){_near(name)}")
+    if looks_local or os.path.isdir(name):
+        return os.path.expanduser(name)
+    from huggingface_hub import constants, get_session, try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # noqa: BLE001 - not a valid repo id: the loader's own error says why
+        return name
+    if cached:
+        return name
+    if constants.HF_HUB_OFFLINE:
+        raise SystemExit(f"error: --model-name {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+                         f"set; give a local folder or an embedded name ({', '.join(EMBEDDED_NAMES[:3])}){_near(name)}")
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5.0)
+    except Exception as e:  # noqa: BLE001 - DNS, refused, timeout, proxy: the hub cannot be reached
+        raise SystemExit(f"error: --model-name {name!r} is not in the local Hugging Face cache and the hub "
+                         f"({constants.ENDPOINT}) cannot be reached ({type(e).__name__}); give a local folder or an "
+                         f"embedded name ({', '.join(EMBEDDED_NAMES[:3])}){_near(name)}, or set HF_HUB_OFFLINE=1 to "
+                         "use cached models only") from None
+    return name
+
+
+def _near(name: str) -> str:
+    """'; did you mean ...?' when `name` is close to an embedded model's name, else ''."""
+    key = name.lower().split("/")[-1]
+    close = [n for n in EMBEDDED_NAMES if key in n] or difflib.get_close_matches(key, EMBEDDED_NAMES, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if key and close else ""
 
 
 def load_tokenizer(name: str, system_prompt: str | None = None):

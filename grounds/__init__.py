@@ -19,7 +19,9 @@ EMBEDDED_MODELS = (*TESTBED_MODELS, *PRETRAINED_MODELS, CODE_MODEL)
 
 
 def path_of(name: str) -> str:
-    """The folder of embedded model `name` (built and cached on first use); any other name is returned unchanged."""
+    """The folder of embedded model `name`, matched without regard to case (`SmolLM2-135M-Instruct` is
+    smollm2-135m-instruct), built and cached on first use; any other name is returned unchanged."""
+    name = name.lower() if name.lower() in EMBEDDED_MODELS else name
     if name in TESTBED_MODELS:
         return ensure_testbed_model(name)
     if name in PRETRAINED_MODELS:

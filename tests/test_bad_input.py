@@ -197,3 +197,38 @@ def test_a_derived_batch_size_on_the_command_line_is_refused_not_replaced(tmp_pa
         with pytest.raises(SystemExit) as info:
             grpo.main(tyro.cli(grpo.Args, args=[*flags, *extra]))
         _assert_one_line_error(str(info.value), pattern)
+
+
+def test_an_embedded_name_matches_without_regard_to_case(smollm2_dir):
+    """The README's prose spelling `SmolLM2-135M-Instruct` is the embedded model, not a hub id that costs a minute
+    of connection retries."""
+    from grounds import EMBEDDED_MODELS, path_of
+
+    from common.models import EMBEDDED_NAMES
+
+    assert path_of("SmolLM2-135M-Instruct") == path_of("smollm2-135m-instruct") == smollm2_dir
+    assert set(EMBEDDED_NAMES) == set(EMBEDDED_MODELS)  # the error messages name what grounds/ builds
+
+
+def test_a_hub_id_not_cached_fails_at_once_naming_the_way_out(monkeypatch):
+    """Not in the local cache: offline, one line naming HF_HUB_OFFLINE (and the nearest embedded name); online with
+    the hub out of reach, one try with a short timeout, then one line saying so (it printed six connection errors
+    over about a minute before saying it could not load the tokenizer)."""
+    import time
+
+    from huggingface_hub import constants
+
+    from common.models import load_tokenizer
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit, match=r"^error: --model-name 'SmolLM2' is not in the local Hugging Face cache and "
+                                         r"HF_HUB_OFFLINE is set; .*did you mean 'smollm2-135m-instruct'\?$"):
+        load_tokenizer("SmolLM2")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
+    start = time.time()
+    with pytest.raises(SystemExit, match=r"^error: --model-name 'not-a/model-xyz' is not in the local Hugging Face "
+                                         r"cache and the hub \(http://127.0.0.1:9\) cannot be reached .* set "
+                                         r"HF_HUB_OFFLINE=1 to use cached models only$") as e:
+        load_tokenizer("not-a/model-xyz")
+    assert "\n" not in str(e.value.code) and time.time() - start < 30
