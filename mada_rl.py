@@ -445,8 +445,9 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         if stage == 3 and args.counterfactual:
             adv_PG = counterfactual_advantages(rewards_PG, acc_g_P, args.acc_weight)
         adv_B = adv_PG.flatten()
-        # every advantage 0 on every rank (the loss has no other term): the update would do nothing, so there is none
-        skip = all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
+        # every advantage 0 on every rank (the loss has no other term): the gradient is 0, yet AdamW's step still moves
+        # the adapter (momentum, weight decay); --skip-zero-advantage-steps skips it (update/skipped)
+        skip = args.skip_zero_advantage_steps and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
         mask_BC = rollouts.completion_mask_BC.clone()
 
         # 4. old log-probs (no grad) only when the ratio can differ from 1

