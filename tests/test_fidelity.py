@@ -82,3 +82,34 @@ def test_the_other_group_trainers_step_adamw_on_a_step_without_signal_by_default
     assert all(r["adv/mean_abs"] == 0 and r["update/skipped"] == 0 and r["optim/grad_norm"] == 0
                for r in rows.values()), rows
 
+
+# ----------------------------------------------------------------------------------------
+# 4. --share-prompt: the ratio is exactly 1 at lr 0 however the update cuts the batch, or the flags are refused
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "4", "--micro-batch-size", "3"], "--micro-batch-size 3 is not a multiple of --group-size 4"),
+    (["--num-prompts", "5", "--num-minibatches", "4"], "--num-minibatches 4 does not divide --num-prompts 5"),
+])
+def test_share_prompt_refuses_a_batch_cut_that_splits_a_group(tmp_path, flags, message):
+    """A group split between two forwards can leave a row with fewer than two of its group, which takes the plain
+    forward while the old log-probs' pass shared the prompt: at lr 0 the ratio was not 1 (micro-batch 3 with G = 4
+    on SmolLM2: approx_kl 4.8e-7, issue 55; mini-batches of 5 rows, a group and a row of the next, on the tiny model:
+    4.9e-9 in bfloat16). One line, before any model loads."""
+    args = tyro.cli(grpo.Args, args=["--output-dir", str(tmp_path), "--model-name", str(tmp_path / "no-model"),
+                                     "--group-size", "4", "--micro-batch-size", "4", "--share-prompt", *flags])
+    with pytest.raises(SystemExit, match="^error: --share-prompt needs each group in one micro-batch and mini-batch: "
+                                         + message) as e:
+        grpo.main(args)
+    assert "\n" not in str(e.value.code)
+
+
+def test_share_prompt_keeps_the_ratio_at_1_over_several_minibatches_and_epochs(tmp_path, tiny_model_dir):
+    """bfloat16, lr 0, one group a mini-batch (4 a step) and 2 epochs, each epoch shuffling the groups anew: every
+    update's forward shares each prompt as the old log-probs' pass did, so the ratio is exactly 1."""
+    out = grpo.main(tyro.cli(grpo.Args, args=[
+        *TINY, "--model-name", tiny_model_dir, "--num-prompts", "4", "--max-new-tokens", "16", "--temperature", "2",
+        "--dtype", "bfloat16", "--share-prompt", "--micro-batch-size", "4", "--num-minibatches", "4",
+        "--num-iterations", "2", "--learning-rate", "0", "--total-steps", "1", "--output-dir", str(tmp_path)]))
+    row = _rows(out["run_dir"])[1]
+    assert row["policy/approx_kl"] == 0.0 and row["policy/clip_frac"] == 0.0 and row["rollout/completion_len"] > 8
