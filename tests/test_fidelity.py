@@ -113,3 +113,48 @@ def test_share_prompt_keeps_the_ratio_at_1_over_several_minibatches_and_epochs(t
         "--num-iterations", "2", "--learning-rate", "0", "--total-steps", "1", "--output-dir", str(tmp_path)]))
     row = _rows(out["run_dir"])[1]
     assert row["policy/approx_kl"] == 0.0 and row["policy/clip_frac"] == 0.0 and row["rollout/completion_len"] > 8
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Ctrl-C in a run saved without its optimizer names what continues it
+
+
+@pytest.fixture
+def python_ctrl_c():
+    """Ctrl-C as a terminal session has it (KeyboardInterrupt), even where pytest runs as a background job with SIGINT
+    ignored."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_in_a_run_without_optimizer_state_names_the_weights_to_start_from(tmp_path, tiny_model_dir, capfd,
+                                                                              monkeypatch, python_ctrl_c):
+    """--no-save-optimizer: the checkpoint holds weights only, which --resume refuses, so the line printed after
+    Ctrl-C names what works instead: a new run from those weights with --model-name (before: the --resume command)."""
+    import signal
+
+    real_score = grpo.score
+
+    def score_then_ctrl_c(*a, **k):  # Ctrl-C in the middle of step 1
+        signal.raise_signal(signal.SIGINT)
+        return real_score(*a, **k)
+
+    monkeypatch.setattr(grpo, "score", score_then_ctrl_c)
+    flags = [*TINY, "--model-name", tiny_model_dir, "--total-steps", "3", "--no-save-optimizer", "--output-dir",
+             str(tmp_path), "--run-name", "stopped"]
+    with pytest.raises(SystemExit) as e:
+        grpo.main(tyro.cli(grpo.Args, args=flags))
+    assert e.value.code == 130
+    weights = os.path.join(str(tmp_path), "stopped", "checkpoint")
+    (line,) = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("stopped after step")]
+    assert line == ("stopped after step 1 (checkpoint saved); it holds weights only (--no-save-optimizer): start a new "
+                    f"run from them with --model-name {weights}")
+    monkeypatch.setattr(grpo, "score", real_score)
+    with pytest.raises(SystemExit, match="holds weights only"):  # what the line used to suggest
+        grpo.main(tyro.cli(grpo.Args, args=[*flags, "--resume", os.path.join(str(tmp_path), "stopped")]))
+    out = grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", weights, "--total-steps", "1", "--output-dir",
+                                              str(tmp_path), "--run-name", "next"]))
+    assert sorted(_rows(out["run_dir"])) == [1]
