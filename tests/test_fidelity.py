@@ -84,6 +84,86 @@ def test_the_other_group_trainers_step_adamw_on_a_step_without_signal_by_default
 
 
 # ----------------------------------------------------------------------------------------
+# 3. MADA: the critic reads x' = [x ; y^_1 ; ... ; y^_N] (the paper's order), and its prompt is never cut
+
+WORKED = "Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82."
+
+
+class ScriptedEngine:
+    """Gives every prompt the same reply and keeps the prompts it was given."""
+
+    def __init__(self, reply: str):
+        self.reply, self.prompts = reply, []
+
+    def generate(self, prompt_ids, n=1, **kwargs):
+        from types import SimpleNamespace
+
+        self.prompts.append(prompt_ids)
+        rows = len(prompt_ids) * n
+        return SimpleNamespace(texts=[self.reply] * rows, truncated_B=torch.tensor([False] * rows))
+
+
+def _mada_agents(tiny_model_dir):
+    import mada_rl
+    from common.models import load_model, load_tokenizer
+
+    args = tyro.cli(mada_rl.Args, args=["--model-name", tiny_model_dir, "--num-generators", "2", "--num-critics", "1",
+                                        "--lora-r", "2"])
+    return mada_rl.make_agents(load_model(tiny_model_dir), ["gen0", "gen1", "critic0"], args), load_tokenizer(
+        tiny_model_dir)
+
+
+def test_a_critic_reads_the_question_first_then_the_proposals_then_the_instruction(tiny_model_dir):
+    import mada_rl
+    from common.testbed import Problem
+
+    model, tok = _mada_agents(tiny_model_dir)
+    problem = Problem(question="What is 47 + 35?", answer="82", task="nl")
+    engine = ScriptedEngine(WORKED)
+    mada_rl.debate(model, engine, tok, [problem], ["gen0", "gen1"], ["critic0"], 2, 8, max_prompt_tokens=0)
+    critic = tok.decode(engine.prompts[-1][0])  # round 2: the critic's prompt
+    instruction = mada_rl.render_prompt(problem, tok).split(problem.question + "\n", 1)[1]  # the template's last line
+    q, first, last = critic.index(problem.question), critic.index(WORKED), critic.rindex(WORKED)
+    assert q < first < last < critic.index(instruction) and critic.endswith(instruction)  # x, y^_1, y^_2, instruction
+    assert critic.count(WORKED) == 2
+
+
+def test_a_critic_prompt_over_max_prompt_tokens_is_a_one_line_error_not_cut(tiny_model_dir):
+    """Cut from the left, the critic's prompt would lose its question (before: its first proposal), silently."""
+    import mada_rl
+    from common.testbed import Problem
+
+    model, tok = _mada_agents(tiny_model_dir)
+    problem = Problem(question="What is 47 + 35?", answer="82", task="nl")
+    whole = len(encode := tok(mada_rl.render_critic_prompt(problem, [WORKED, WORKED], tok), add_special_tokens=False)
+                ["input_ids"])
+    assert encode and whole > 200  # byte-level: two worked responses and the question
+    engine = ScriptedEngine(WORKED)
+    with pytest.raises(SystemExit, match=rf"^error: --max-prompt-tokens {whole - 1}: a critic prompt \(question, "
+                                         rf"template and proposals\) has {whole} tokens and is never cut") as e:
+        mada_rl.debate(model, engine, tok, [problem], ["gen0", "gen1"], ["critic0"], 2, 8, max_prompt_tokens=whole - 1)
+    assert "\n" not in str(e.value.code) and len(engine.prompts) == 2  # the generators answered; no critic ran
+    mada_rl.debate(model, engine, tok, [problem], ["gen0", "gen1"], ["critic0"], 2, 8, max_prompt_tokens=whole)
+    assert len(engine.prompts[-1][0]) == whole  # at the limit: whole
+
+
+def test_the_critic_budget_counts_the_question_and_template_before_any_training(tmp_path, tiny_model_dir):
+    """3 proposals of up to 8 tokens (24) fit a limit of 40, but not with the question and template around them
+    (`Prop:..` lines, `Q:...`, `A:`): a one-line error before any step. Before, the early check counted the
+    proposals only, and the critic's prompts were silently cut from the left."""
+    import mada_rl
+
+    flags = ["--model-name", tiny_model_dir, "--max-prompt-tokens", "40", "--num-train-problems", "24",
+             "--num-prompts", "2", "--group-size", "2", "--generator-steps", "1", "--critic-steps", "1", "--lora-r", "2",
+             "--num-eval-problems", "4", "--log-samples", "0", "--output-dir", str(tmp_path), "--run-name", "budget"]
+    with pytest.raises(SystemExit, match=r"^error: --max-prompt-tokens 40: a critic prompt holds its question and "
+                                         r"template \(up to \d+ tokens\) and 3 responses of up to 8 tokens each") as e:
+        mada_rl.main(tyro.cli(mada_rl.Args, args=flags))
+    assert "\n" not in str(e.value.code)
+    assert not os.path.exists(tmp_path / "budget" / "metrics.jsonl")  # no evaluation, no step
+
+
+# ----------------------------------------------------------------------------------------
 # 4. --share-prompt: the ratio is exactly 1 at lr 0 however the update cuts the batch, or the flags are refused
 
 
