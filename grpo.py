@@ -287,8 +287,10 @@ def main(args: Args) -> dict:
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
         adv_B = adv_PG.flatten()
-        # every advantage 0 on every rank and no KL term: the update would do nothing, so there is none (update/skipped)
-        skip = args.beta <= 0 and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
+        # every advantage 0 on every rank and no KL term: the gradient is 0, yet AdamW's step still moves the weights
+        # (momentum, weight decay), as in veRL and TRL; --skip-zero-advantage-steps skips it (update/skipped)
+        skip = (args.skip_zero_advantage_steps and args.beta <= 0
+                and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)

@@ -5,11 +5,12 @@ active adapter receives gradients, and each adapter trains on its own disjoint s
 
     Stage 1  generator n: GRPO on R = 2 R_acc + R_len                 (group z-score advantage)
     Stage 2  critic data: the trained generators answer each critic problem; acc_G = mean_n R_acc(y^_n, y)
-    Stage 3  critic m: policy gradient on x' = [proposals ; x] with A_C = R_C - 2 acc_G  (counterfactual)
+    Stage 3  critic m: policy gradient on x' = [x ; y^_1 ; ... ; y^_N] with A_C = R_C - 2 acc_G  (counterfactual)
              (--no-counterfactual: the GRPO group z-score of R_C instead)
 
 A proposal shown to a critic is the generator's whole response, cut to its last --proposal-tokens tokens (where its
-final answer is) when longer; --critic-sees answers shows only the extracted final answers (the ablation).
+final answer is) when longer; --critic-sees answers shows only the extracted final answers (the ablation). A critic
+prompt is never cut: one over --max-prompt-tokens is a one-line error (`encode_critic_prompts`).
 
     R_acc = 1[y^ == y]
     lam   = 0.5 - (len(y^) - min_i len(y^_i)) / (max_i len(y^_i) - min_i len(y^_i))    (min/max over the group)
@@ -134,7 +135,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from common.data import MATH_TEMPLATE, PromptSampler, encode_prompts, render_prompt
+from common.data import MATH_INSTRUCTION, PromptSampler, encode_prompts, render_prompt
 from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, is_sharded, rank_world,
                          shard_models)
 from common.evaluate import answer_bar
@@ -288,13 +289,28 @@ def proposal_text(completion: str, problem, tokenizer, critic_sees: str, proposa
 
 
 def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
-    """x' = the other agents' proposals, then the question (testbed: `Prop:17\\nProp:16\\nQ:...\\nA:`); a proposal
-    of several lines is one indented list item."""
-    if problem.task == "testbed":  # the testbed's compact prompt, with one Prop: line per proposal
+    """x' = [x ; y^_1 ; ... ; y^_N], the paper's order: the question, the other agents' proposals (a proposal of
+    several lines is one indented list item), then the template's answer instruction. The testbed's compact prompt
+    puts its Prop: lines before `Q:...\\nA:`, where its models were trained to read context (Hint:, Ref: lines)."""
+    if problem.task == "testbed":  # `Prop:17\nProp:16\nQ:...\nA:`: the answer must follow A: directly
         return "".join(f"Prop:{a}\n" for a in proposals) + render_testbed_prompt(problem.question)
     items = ["- " + a.replace("\n", "\n  ") for a in proposals]
-    header = "Answers proposed by other agents:\n" + "\n".join(items) + "\n\n"
-    return render_prompt(problem, tokenizer, template=header.replace("{", "{{").replace("}", "}}") + MATH_TEMPLATE)
+    shown = "Answers proposed by other agents:\n" + "\n".join(items) + "\n\n"
+    return render_prompt(problem, tokenizer, template="{question}\n\n" + shown.replace("{", "{{").replace("}", "}}")
+                         + MATH_INSTRUCTION)
+
+
+def encode_critic_prompts(tokenizer, texts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of critic prompts, whole: cut from the left, one would lose its question (or, on the testbed, its
+    first proposal), so one longer than --max-prompt-tokens on any rank is a one-line error on every rank."""
+    ids = encode_prompts(tokenizer, texts)
+    rank, world = rank_world()
+    longest_R = torch.zeros(world).index_fill_(0, torch.tensor([rank]), float(max(map(len, ids), default=0)))
+    longest = int(all_reduce_sum(longest_R).max().item())
+    if max_prompt_tokens and longest > max_prompt_tokens:
+        fail(f"--max-prompt-tokens {max_prompt_tokens}: a critic prompt (question, template and proposals) has "
+             f"{longest} tokens and is never cut; raise --max-prompt-tokens or lower --proposal-tokens")
+    return ids
 
 
 # Deployment: the multi-round debate
@@ -333,7 +349,8 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
                  [render_critic_prompt(p, [proposal_text(a[i], p, tokenizer, critic_sees, proposal_tokens)
                                            for a in answers[-1]], tokenizer)
                   for i, p in enumerate(problems)])
-        prompt_ids = encode_prompts(tokenizer, texts, max_prompt_tokens)
+        prompt_ids = (encode_prompts(tokenizer, texts, max_prompt_tokens) if r == 0 else
+                      encode_critic_prompts(tokenizer, texts, max_prompt_tokens))
         round_answers, round_cut = [], []
         for name in generators if r == 0 else critics:
             use_adapter(model, name)
@@ -420,13 +437,14 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=rank != 0)
     for step in bar:
         t_step, times = time.time(), {}
-        # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: proposals + x), each
+        # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: x + proposals), each
         # rank taking its share of the world x num_prompts drawn
         batch_records = sampler.next(args.num_prompts * world)[rank::world]
         problems = batch_records if stage == 1 else [r[0] for r in batch_records]
         texts = ([render_prompt(p, tokenizer) for p in problems] if stage == 1 else
                  [render_critic_prompt(p, props, tokenizer) for p, props, _ in batch_records])
-        prompt_ids = encode_prompts(tokenizer, texts, args.max_prompt_tokens)
+        prompt_ids = (encode_prompts(tokenizer, texts, args.max_prompt_tokens) if stage == 1 else
+                      encode_critic_prompts(tokenizer, texts, args.max_prompt_tokens))
         with timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens)
@@ -445,8 +463,9 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         if stage == 3 and args.counterfactual:
             adv_PG = counterfactual_advantages(rewards_PG, acc_g_P, args.acc_weight)
         adv_B = adv_PG.flatten()
-        # every advantage 0 on every rank (the loss has no other term): the update would do nothing, so there is none
-        skip = all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
+        # every advantage 0 on every rank (the loss has no other term): the gradient is 0, yet AdamW's step still moves
+        # the adapter (momentum, weight decay); --skip-zero-advantage-steps skips it (update/skipped)
+        skip = args.skip_zero_advantage_steps and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
         mask_BC = rollouts.completion_mask_BC.clone()
 
         # 4. old log-probs (no grad) only when the ratio can differ from 1
@@ -594,9 +613,9 @@ def main(args: Args) -> dict:
     budget = min(args.proposal_tokens or args.max_new_tokens, args.max_new_tokens)  # tokens of one shown response
     if args.critic_sees == "responses" and args.max_prompt_tokens and shown * budget >= args.max_prompt_tokens:
         fail(f"--max-prompt-tokens {args.max_prompt_tokens}: a critic prompt shows {shown} responses of up to {budget} "
-             f"tokens each (--proposal-tokens {args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}) before "
-             "its question, and would lose its first proposals: raise --max-prompt-tokens, lower --proposal-tokens, "
-             "or pass --critic-sees answers")
+             f"tokens each (--proposal-tokens {args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}) beside "
+             "its question, and is never cut: raise --max-prompt-tokens, lower --proposal-tokens, or pass "
+             "--critic-sees answers")
     if args.generators_from and args.eval_debate:
         fail("--generators-from trains critics on a run's generators, --eval-debate only evaluates a run: pass one")
     stage_1 = stage_1_weights(args.generators_from.rstrip("/"), args) if args.generators_from else None
@@ -629,6 +648,17 @@ def main(args: Args) -> dict:
                 enable_gradient_checkpointing(model)
     (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
     tokenizer = load_tokenizer(path_of(args.model_name), args.system_prompt)
+    if args.critic_sees == "responses" and args.max_prompt_tokens:  # before any training: the longest question and
+        # template of a critic prompt, with every proposal at its full budget, must fit (critic prompts are never cut)
+        critic_problems = (eval_problems if args.debate_rounds > 1 else []) + [
+            p for s in ([] if args.eval_debate else splits[args.num_generators:]) for p in s]
+        frame = max(map(len, encode_prompts(tokenizer, [render_critic_prompt(p, [""] * shown, tokenizer)
+                                                        for p in critic_problems])), default=0)
+        if critic_problems and frame + shown * budget > args.max_prompt_tokens:
+            fail(f"--max-prompt-tokens {args.max_prompt_tokens}: a critic prompt holds its question and template (up "
+                 f"to {frame} tokens) and {shown} responses of up to {budget} tokens each (--proposal-tokens "
+                 f"{args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}), and is never cut: raise "
+                 "--max-prompt-tokens, lower --proposal-tokens, or pass --critic-sees answers")
     engine = make_engine(args, model, tokenizer, args.seed + rank)
 
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer

@@ -400,8 +400,10 @@ def main(args: Args) -> dict:
         # ALGO LOGIC: 3. leave-one-out advantages (all-equal groups get exactly 0); beta > 0 folds the KL in (4a)
         G = args.group_size
         adv_PG, zero_std_P = rloo_advantages(rewards_B.view(-1, G))
-        # every advantage 0 on every rank and no KL term: the update would do nothing, so there is none (update/skipped)
-        skip = args.beta <= 0 and all_reduce_sum(torch.count_nonzero(adv_PG).float()).item() == 0
+        # every advantage 0 on every rank and no KL term: the gradient is 0, yet AdamW's step still moves the weights
+        # (momentum, weight decay), as in veRL and TRL; --skip-zero-advantage-steps skips it (update/skipped)
+        skip = (args.skip_zero_advantage_steps and args.beta <= 0
+                and all_reduce_sum(torch.count_nonzero(adv_PG).float()).item() == 0)
 
         # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
         # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is

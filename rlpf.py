@@ -11,9 +11,10 @@ re-timed in the same interleaved rounds. The reward never pays for speed without
                      credit(x, f) = 1 if 1/f <= x <= f, else x / f (x > f) or x f (x < 1/f)
 
 so every correct program (>= 0.15) outranks every failure (<= 0.10). With f_b = 1 these are the papers' terms
-(FBR = [T_c < T_b], RBR = [T_c <= 1.02 T_r]); f_b is the task's noise floor, measured at start. Noise only ever
-withholds credit: the floor shrinks the speed-up, and the expert-match term RBR keeps the paper's 2 % (a floor there
-would pay a program measurably slower than the expert).
+(FBR = [T_c < T_b], RBR = [T_c <= 1.02 T_r]); f_b is the task's noise floor, measured at start. In FBR and CGRE noise
+only withholds credit: the floor shrinks the speed-up. The expert-match term RBR keeps the paper's unfloored 2 %, so
+there noise decides both ways: timing noise wider than 2 % pays a program at the expert's speed about half the time,
+and now and then one a little slower (a floor there would pay a program up to that floor slower, every time).
 
 Timing (code_env/tasks.py `judge`, code_env/sandbox.py `measure`), so that the speed terms hold under load and
 cannot be gamed: each program of a task, and the two references, run in their own sandbox (one process, one
@@ -607,8 +608,10 @@ def main(args: Args) -> dict:
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
         adv_B = adv_PG.flatten()
-        # every advantage 0 on every rank and no KL term: the update would do nothing, so there is none (update/skipped)
-        skip = args.beta <= 0 and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
+        # every advantage 0 on every rank and no KL term: the gradient is 0, yet AdamW's step still moves the weights
+        # (momentum, weight decay), as in veRL and TRL; --skip-zero-advantage-steps skips it (update/skipped)
+        skip = (args.skip_zero_advantage_steps and args.beta <= 0
+                and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)

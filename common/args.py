@@ -81,6 +81,10 @@ class RunArgs(ExperimentArgs):
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    skip_zero_advantage_steps: bool = False
+    """group trainers: no update (update/skipped 1) in a step whose advantages are all 0 on every rank and no KL term:
+    saves its time, but changes the run, as AdamW (veRL, TRL) still moves the weights on the zero gradient (momentum
+    of earlier steps, --weight-decay) and counts a warmup step. direct_opd.py never skips (its loss has a KL term)"""
     num_minibatches: int = 1
     """optimizer steps per epoch over each rollout batch"""
     num_iterations: int = 1
@@ -95,8 +99,9 @@ class RunArgs(ExperimentArgs):
     cache for the group's rows: the prompt costs 1/G of a forward and backward (on SmolLM2 with 80-token prompts,
     benchmarks/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit, so every
     pass of a step takes the same path: with several mini-batches the update shuffles whole groups
-    (common.run.minibatch_order). It needs a group's rows in one micro-batch (--micro-batch-size a multiple of
-    --group-size); with --gradient-checkpointing it could not share (no KV cache), and is an error"""
+    (common.run.minibatch_order). It needs a group's rows in one micro-batch and one mini-batch (--micro-batch-size a
+    multiple of --group-size, --num-minibatches a divisor of --num-prompts), else a piece of one row takes the plain
+    forward (ratio not 1 at lr 0); with --gradient-checkpointing it could not share (no KV cache). Both are errors"""
 
     # Filled in at runtime (derived: set --num-prompts, --group-size, --num-minibatches; another value is an error)
     batch_size: int = 0
@@ -210,6 +215,11 @@ def check_run_args(args, min_group_size: int = 2) -> None:
     if samples > 0 and getattr(args, "eval_pass_k", 0) > samples:
         fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
              "(pass@k is estimated from that many samples per problem)")
+    if args.share_prompt and (args.micro_batch_size % args.group_size or args.num_prompts % args.num_minibatches):
+        fail("--share-prompt needs each group in one micro-batch and mini-batch: " + (
+            f"--micro-batch-size {args.micro_batch_size} is not a multiple of --group-size {args.group_size}"
+            if args.micro_batch_size % args.group_size else
+            f"--num-minibatches {args.num_minibatches} does not divide --num-prompts {args.num_prompts}"))
     if args.share_prompt and args.gradient_checkpointing:
         fail("--share-prompt cannot share under --gradient-checkpointing: checkpointed layers keep no KV cache, so the "
              "policy's passes would take the plain forward and only the reference's would share; drop one of the two")

@@ -85,10 +85,14 @@ class RunControl:
             self.asked = 1
             return self._say(f"stopping after step {self.step} finishes and saving a checkpoint; Ctrl-C again to quit "
                              "at once")
-        kept = (f"the checkpoint of step {self.saved} is kept; continue with: {self.command()}" if self.saved else
+        kept = (f"the checkpoint of step {self.saved} is kept; {self.next_move()}" if self.saved else
                 "no checkpoint was written yet (--save-every N writes one every N steps)")
         self._say(f"interrupted: {self.no_resume}" if self.no_resume else f"interrupted at step {self.step}: {kept}")
         os._exit(130)  # at once: no clean-up that could hang (worker pools, a vllm engine, wandb)
+
+    def next_move(self) -> str:  # --no-save-optimizer: weights only, which --resume refuses; a new run loads them
+        return (f"continue with: {self.command()}" if getattr(self.args, "save_optimizer", True) else "it holds weights"
+                f" only (--no-save-optimizer): start a new run from them with --model-name {self.run_dir}/checkpoint")
 
     def command(self) -> str:
         """This run's command line with --resume <run folder> (torchrun on several nodes: add its launch flags)."""
@@ -108,7 +112,7 @@ class RunControl:
             self.saved = self.step if self.due else self.saved
             if self.stop:
                 bar.close()  # its last line before ours
-                self._say(f"stopped after step {self.step} (checkpoint saved); continue with: {self.command()}")
+                self._say(f"stopped after step {self.step} (checkpoint saved); {self.next_move()}")
                 raise SystemExit(130)
         self.looping = False
 

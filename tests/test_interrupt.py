@@ -1,7 +1,8 @@
 """What a user sees when a run is stopped or cannot learn (issue 43): Ctrl-C prints one line, not a traceback, and
 (in a trainer with checkpoints) saves the step it stops after and prints the command that continues the run exactly;
-a step whose advantages are all 0 with no other loss term skips its update (update/skipped), and three such steps in
-a row print one warning saying why."""
+with --skip-zero-advantage-steps a step whose advantages are all 0 with no other loss term skips its update
+(update/skipped; by default AdamW steps on the zero gradient: tests/test_fidelity.py), and three steps in a row
+without signal print one warning saying why."""
 
 import os
 import shlex
@@ -112,13 +113,14 @@ def python_ctrl_c():
 def test_steps_without_learning_signal_skip_their_update_and_warn_once(tmp_path, tiny_model_dir, capsys,
                                                                          monkeypatch, python_ctrl_c):
     """--max-new-tokens 1: every completion is cut or empty, so every reward is 0 and every advantage 0. With beta 0
-    no step runs a log-prob pass, a forward or an optimizer step: the weights, AdamW's state and the schedule stay as
+    and --skip-zero-advantage-steps no step runs a log-prob pass, a forward or an optimizer step: the weights, AdamW's state and the schedule stay as
     they were; three such steps in a row print one warning. With beta > 0 the KL term has a gradient: no skip."""
     logprobs, losses = Count(grpo.batched_logprobs), Count(grpo.micro_batch_loss)
     monkeypatch.setattr(grpo, "batched_logprobs", logprobs)
     monkeypatch.setattr(grpo, "micro_batch_loss", losses)
     flags = [*TINY, "--model-name", tiny_model_dir, "--max-new-tokens", "1", "--total-steps", "4", "--num-iterations",
-             "2", "--warmup-steps", "4", "--learning-rate", "1e-3", "--output-dir", str(tmp_path)]
+             "2", "--warmup-steps", "4", "--learning-rate", "1e-3", "--output-dir", str(tmp_path),
+             "--skip-zero-advantage-steps"]
     out = grpo.main(tyro.cli(grpo.Args, args=[*flags, "--run-name", "flat"]))
     console = capsys.readouterr().out
     rows = _rows(out["run_dir"])
@@ -162,7 +164,7 @@ def test_the_other_group_trainers_skip_a_step_without_signal_too(tmp_path, tiny_
     flags += (["--num-generators", "1", "--num-critics", "0", "--debate-rounds", "1", "--generator-steps", "3",
                "--num-train-problems", "8", "--lora-r", "2"] if trainer == "mada_rl"
               else ["--eval-samples", "0", "--total-steps", "3"])
-    out = module.main(tyro.cli(module.Args, args=flags))
+    out = module.main(tyro.cli(module.Args, args=[*flags, "--skip-zero-advantage-steps"]))
     rows = _rows(out["run_dir"])
     assert sorted(rows) == [1, 2, 3]
     assert all(r["update/skipped"] == 1 and r["optim/grad_norm"] == 0 and r["loss/policy"] == 0 for r in rows.values())

@@ -168,7 +168,7 @@ def test_a_different_world_size_resumes_with_new_streams(tmp_path, tiny_model_di
 def test_warmup_counts_optimizer_steps(tmp_path, tiny_model_dir, trainer):
     """Two mini-batches per step and --warmup-steps 4: optimizer steps use 1/4, 2/4 | 3/4, 4/4 | 1, 1 of the peak;
     optim/lr is the rate of the step's last update. (The random tiny model earns no reward: with --beta 0 every
-    update would be skipped and the schedule would not move; the KL term keeps a gradient.)"""
+    update could be skipped (--skip-zero-advantage-steps); the KL term keeps a gradient.)"""
     module = {"grpo": grpo, "rloo_sec": rloo_sec, "oc_grpo": oc_grpo, "direct_opd": direct_opd}[trainer]
     extra = (["--teacher-pre", tiny_model_dir, "--teacher-post", tiny_model_dir] if trainer == "direct_opd"
              else ["--beta", "0.01"])
