@@ -28,6 +28,9 @@ import random
 from common.testbed import Problem, is_heldout
 
 NL_LEVELS = (1, 2, 3, 4, 5)
+VERSION = 1
+"""which problems and contexts this file builds: a claim run's record keeps it (benchmarks/claim_runs.py), so a run
+made on other problems or contexts is never read back in place of a new one"""
 NL_INSTRUCTION = 'First write the sum with its result. Then end with "The answer is" and that number.'
 """The answer-format instruction common.data.render_prompt puts after every testbed-nl question (chosen on measured
 zero-shot replies of SmolLM2-135M-Instruct: benchmarks/smollm2_zero_shot.md)."""
