@@ -299,7 +299,8 @@ def main():
     cli = p.parse_args()
     os.chdir(ROOT)  # the plain arm's --generators-from is relative: records made in one clone are read in another
     n = cli.num_eval_problems
-    base = cached(os.path.join(cli.records, "cells_base.json"), {"n": n}, lambda: cells(path_of(MODEL), n))
+    base = cached(os.path.join(cli.records, "cells_base.json"), {"n": n}, lambda: cells(path_of(MODEL), n),
+                  make=not cli.report_only)
     record = finished_run(grpo, start_args(cli.steps, cli.output_dir), cli.records,
                           lambda run_dir: {"cells": cells(os.path.join(run_dir, "checkpoint"), n), "n": n},
                           make=not cli.report_only)

@@ -327,7 +327,7 @@ def main():
     if (1 in cli.seeds and not cli.report_only) or os.path.exists(os.path.join(cli.records, "naive.json")):
         naive = cached(os.path.join(cli.records, "naive.json"), {"args": naive_args.run_name, "steps": cli.steps,
                                                                  "sft_steps": cli.sft_steps},
-                       lambda: naive_freeze(naive_args))
+                       lambda: naive_freeze(naive_args), make=not cli.report_only)
     for (arm, seed, _), args in zip(plan, arm_runs):
         if cli.report_only and not have(args):
             continue

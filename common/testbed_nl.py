@@ -10,12 +10,15 @@ Five levels, built locally and offline, each problem with a step-by-step referen
     5  Tom has 47 apples. He buys 35 more and then gives 18    a two-step word problem
        away. How many apples does he have now?
 
-The reference solution (OC-GRPO's guidance) works it out in sentences and ends with the answer line the prompt asks
-for, e.g. level 2: "Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82."
-The knowledge points (AdaKP's hints) are facts in words: helpful ones are sentences of the solution (its sums, and
-for word problems the rule "Buying more means adding."), distractors are true facts of the same kind that the
-solution does not use. The train/test split is disjoint by the arithmetic (the numbers and operations, whatever
-the names and objects), a fixed quarter held out by common.testbed.is_heldout.
+The reference solution works it out in sentences and ends with the answer line the prompt asks for, e.g. level 2:
+"Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82." OC-GRPO's guidance is
+its first steps, never the one that states the result (`before_result`). The knowledge points (AdaKP's hints) are
+facts in words that teach the method without stating the result: helpful ones are the operation's rule ("Buying more
+means adding.", "Add the tens, then the ones, ...") or a partial sum that is not the answer ("Add the tens: 40 + 30 =
+70."); distractors are true facts of the same kind that the solution does not use. No knowledge point states the
+answer. The train/test split is disjoint by the arithmetic (the numbers and operations, whatever the names and
+objects), a fixed quarter held out by common.testbed.is_heldout; the held-out side has each problem once (level 1
+has about 20 held-out sums: asking for more gives those).
 
 Answers are checked by common.verifiers (task 'nl'): the last \\boxed{} if there is one, else the number after the
 last "answer is", else the last number of the reply; format_reward asks for a reply that ends with "The answer is N."
@@ -24,13 +27,16 @@ last "answer is", else the last number of the reply; format_reward asks for a re
 from __future__ import annotations
 
 import random
+import re
 
 from common.testbed import Problem, is_heldout
 
 NL_LEVELS = (1, 2, 3, 4, 5)
-VERSION = 1
+VERSION = 2
 """which problems and contexts this file builds: a claim run's record keeps it (benchmarks/claim_runs.py), so a run
-made on other problems or contexts is never read back in place of a new one"""
+made on other problems or contexts is never read back in place of a new one. 1: the helpful knowledge points were the
+solution's last two sentences (from level 2 on, the final equation) and level 1's held-out side repeated its sums;
+2: knowledge points that never state the answer, the held-out side without repeats (the same problems otherwise)"""
 NL_INSTRUCTION = 'First write the sum with its result. Then end with "The answer is" and that number.'
 """The answer-format instruction common.data.render_prompt puts after every testbed-nl question (chosen on measured
 zero-shot replies of SmolLM2-135M-Instruct: benchmarks/smollm2_zero_shot.md)."""
@@ -53,6 +59,50 @@ def _sum_steps(a: int, b: int) -> list[str]:
     tens, ones = (a // 10 + b // 10) * 10, a % 10 + b % 10
     return [f"Add the tens: {a // 10 * 10} + {b // 10 * 10} = {tens}.", f"Add the ones: {a % 10} + {b % 10} = {ones}.",
             f"Then {tens} + {ones} = {a + b}."]
+
+
+def states(text: str, answer: str) -> bool:
+    """Whether `text` holds `answer` as a whole number (not inside 168 or 6.8).
+
+    >>> states("Then 70 + 12 = 82.", "82"), states("182 apples", "82"), states("8.2", "8")
+    (True, False, False)
+    """
+    return re.search(rf"(?<![\d.,]){re.escape(answer)}(?!\d|[.,]\d)", text) is not None
+
+
+def before_result(solution: str, answer: str) -> str:
+    """The worked solution's sentences before the first that states the final answer: a partial solution that stops
+    before the result (OC-GRPO's guidance on testbed-nl).
+
+    >>> before_result("Add the tens: 50 + 60 = 110. Add the ones: 9 + 3 = 12. Then 110 + 12 = 122. The answer is 122.",
+    ...               "122")
+    'Add the tens: 50 + 60 = 110. Add the ones: 9 + 3 = 12.'
+    >>> before_result("3 + 5 = 8. The answer is 8.", "8")
+    ''
+    """
+    m = re.search(rf"(?<![\d.,]){re.escape(answer)}(?!\d|[.,]\d)", solution)
+    return solution if m is None else solution[: solution.rfind(". ", 0, m.start()) + 1].strip()
+
+
+def _knowledge(level: int, terms: list, steps: list, moves: list) -> list[str]:
+    """Knowledge points that teach the method without stating the result, most telling first: the operation's rule,
+    or a partial sum (`moves`: the word problems' (start, rule, sign, n), one a step)."""
+    if level == 1:
+        a, b = terms
+        return [f"To add {min(a, b)}, count on {min(a, b)} from {max(a, b)}."]  # one step: one point
+    if level == 2:
+        return [*steps[:2], "Add the tens, then the ones, then put the two sums together."]
+    if level == 3:
+        return [steps[0].removeprefix("First "), "Add the first two numbers, then add the third to their sum."]
+    start, rule, sign, n = moves[0]
+    verb, op = ("add", "+") if sign > 0 else ("take away", "-")
+    partial = f"{start} {op} {n // 10 * 10} = {start + sign * (n // 10 * 10)}."  # the tens of the change first
+    tens = f"{n // 10} ten{'s' if n >= 20 else ''}"
+    first = [rule, partial, f"To {verb} {n}, {verb} {tens}" + (f" and then {n % 10}." if n % 10 else "."),
+             f"{verb.capitalize()} the tens first, then the ones."]
+    if level == 4:
+        return first
+    return [steps[1], moves[1][1], rule]  # level 5: the first change's result, the second change's rule, the first's
 
 
 def _fact(rng: random.Random, digits: int) -> str:
@@ -83,12 +133,12 @@ def make_nl_problem(level: int, rng: random.Random) -> Problem:
         else:
             steps = _sum_steps(*terms)
         total, key = sum(terms), "+".join(map(str, terms))
-        rules_used = []
+        rules_used, moves = [], []
     else:
         (name, pronoun), things = rng.choice(NAMES), rng.choice(THINGS)
         events = rng.sample(sorted(EVENTS), 2 if level == 5 else 1)
         start = rng.randint(20, 99)
-        total, key, clauses, steps, rules_used = start, str(start), [], [], []
+        total, key, clauses, steps, rules_used, moves = start, str(start), [], [], [], []
         for event in events:
             phrase, rule, sign = EVENTS[event]
             n = rng.randint(10, 99) if sign > 0 else rng.randint(10, max(10, total - 10))
@@ -96,21 +146,26 @@ def make_nl_problem(level: int, rng: random.Random) -> Problem:
             new = total + sign * n
             steps += [rule, f"{total} {'+' if sign > 0 else '-'} {n} = {new}."]
             rules_used.append(rule)
+            moves.append((total, rule, sign, n))
             total, key = new, key + f"{'+' if sign > 0 else '-'}{n}"
         question = (f"{name} has {start} {things}. {pronoun.capitalize()} {' and then '.join(clauses)}. "
                     f"How many {things} does {pronoun} have now?")
-    solution = " ".join(steps + [f"The answer is {total}."])
-    helpful = [s.split(": ")[-1].removeprefix("Then ").removeprefix("First ") for s in steps][-2:]  # the late steps
+    solution, answer = " ".join(steps + [f"The answer is {total}."]), str(total)
+    helpful = [k for k in _knowledge(level, terms if level <= 3 else [], steps, moves) if not states(k, answer)][:2]
     distractors = []
     if rules_used:  # word problems: a rule the solution does not use
         distractors = [rng.choice([r for _, r, _ in EVENTS.values() if r not in rules_used])]
-    while len(distractors) < 2:
+    while len(distractors) < 2:  # these draws as in VERSION 1: the problems that follow stay the same
         fact = _fact(rng, 1 if level == 1 else 2)
         if fact not in solution and fact not in distractors:
             distractors.append(fact)
+    spare = random.Random(f"{level}-{solution}")  # a distractor that states the answer is drawn again, from here
+    for i, d in enumerate(distractors):
+        while states(d, answer) or d in solution or d in distractors[:i] + helpful:
+            d = distractors[i] = _fact(spare, 1 if level == 1 else 2)
     hints = [(h, True) for h in helpful] + [(d, False) for d in distractors]
     rng.shuffle(hints)
-    return Problem(question=question, answer=str(total), level=level, solution=solution,
+    return Problem(question=question, answer=answer, level=level, solution=solution,
                    hints=[h for h, _ in hints], hint_helpful=[u for _, u in hints], task="nl", uid=f"nl-L{level}:{key}")
 
 
@@ -122,7 +177,9 @@ def split_key(problem: Problem) -> str:
 
 def make_nl_suite(split: str, levels=NL_LEVELS, n_per_level: int = 500, seed: int = 0) -> list[Problem]:
     """`n_per_level` problems per level from the `split` ('train' or 'test') side of the fixed split, deterministic
-    in its arguments. A level with fewer distinct problems than asked for (level 1 has 81 sums) repeats them."""
+    in its arguments. A level with fewer distinct problems than asked for (level 1 has 81 sums, about 20 held out)
+    gives the held-out ones once each, so that a held-out figure counts each problem once, and repeats the training
+    ones (drawn uniformly, as a sampler would)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     problems = []
@@ -136,7 +193,9 @@ def make_nl_suite(split: str, levels=NL_LEVELS, n_per_level: int = 500, seed: in
             tries += 1
             if is_heldout(split_key(p)) != (split == "test"):
                 continue
-            if p.question in seen and tries < 20 * n_per_level:
+            if p.question in seen and (tries < 20 * n_per_level or split == "test"):
+                if tries >= 20 * n_per_level:
+                    break  # the held-out side has no more distinct problems at this level
                 continue
             seen.add(p.question)
             problems.append(p)

@@ -341,3 +341,22 @@ def test_the_gate_fails_a_powerless_n_or_a_single_seed():
     assert claim_runs.gate(clean_claim(n=80, start={1: 0.76, 2: 0.76}, effect=0.38, fall=True), none)[1] == []
     assert claim_runs.gate(clean_claim(n=80, effect=0.08, against=0.5), none)[1] == [
         "power, detectable 0.110 > needed 0.080"]
+
+
+def test_a_record_of_another_testbed_nl_version_is_reported_but_never_reused_for_a_run(tmp_path):
+    args, calls = args_in(tmp_path), []
+    rec = claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))
+    assert rec["ground"] == claim_runs.GROUND and calls == [""]
+    path = tmp_path / "rec" / "r.json"
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "ground"}  # a record made before versions
+    path.write_text(json.dumps(old))
+    assert claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), make=False) == old
+    assert claim_runs.records_ground(str(tmp_path / "rec")) == 1
+    claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))  # run again: its folder is recorded
+    assert json.loads(path.read_text())["ground"] == claim_runs.GROUND
+    measured = []
+    cell = tmp_path / "cell.json"
+    cell.write_text(json.dumps({"x": 1, "settings": {"n": 4}}))  # a measurement of version 1
+    assert claim_runs.cached(str(cell), {"n": 4}, lambda: measured.append(1) or {"x": 2}, make=False)["x"] == 1
+    assert claim_runs.cached(str(cell), {"n": 4}, lambda: measured.append(1) or {"x": 2})["x"] == 2
+    assert measured == [1]
