@@ -138,7 +138,6 @@ from common.rollout import attach, batched_logprobs, completion_logprobs, make_e
 from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
                         rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
 from common.testbed import render_testbed_prompt
-from common.testbed_nl import before_result
 from common.verifiers import format_reward, score
 from grounds import path_of
 
@@ -326,11 +325,18 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
 
 
 # ALGO LOGIC: guided prompts and rollouts (common.rollout.attach re-attaches a completion to another prompt)
+def before_result(solution: str, answer: str) -> str:
+    """The solution's sentences before the first that states the answer as a whole number: a partial solution that
+    stops before the result ('First 47 + 35 = 82.' of '... Then 82 + 16 = 98. The answer is 98.')."""
+    m = re.search(rf"(?<![\d.,]){re.escape(answer)}(?!\d|[.,]\d)", solution)
+    return solution if m is None else solution[: solution.rfind(". ", 0, m.start()) + 1]
+
+
 def render_guided_prompt(problem, tokenizer, prefix: str) -> str:
     """The guided prompt x~: the question and the first part of its reference solution, labelled as what it is, after
     the question's template (the paper puts "Reference solution:" in its system prompt). Testbed: the "Ref:<prefix>"
     line the testbed models were warm-started with; testbed-nl: never past the steps before the one that states the
-    result (common.testbed_nl.before_result: the guidance teaches, it does not hand over the answer), "First steps of
+    result (before_result: the guidance teaches, it does not hand over the answer), "First steps of
     a solution, without its final result: <prefix>", none when no step comes before it; other data: "Reference
     solution: <prefix>" when the prefix is all of it, else "Partial reference solution: <prefix>"."""
     if problem.task == "testbed":

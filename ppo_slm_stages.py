@@ -5,8 +5,9 @@ fine-tuned on the chosen completions (SFT), and a Bradley-Terry reward model on 
     RM:   minimise -log sigmoid(r(x, y_w) - r(x, y_l)), LoRA with alpha = 2r and a fully trained score head
 
 Pairs come from the testbed (chosen: the answer; rejected: a corrupted one), from testbed-nl (chosen: the worked
-solution; rejected: the same with one arithmetic slip carried forward to a wrong final answer) or from a text dataset (chosen: a record's next
-words; rejected: them shuffled, truncated or taken from another record, as in arXiv 2607.25091).
+solution; rejected: the same with one arithmetic slip carried forward to a wrong final answer) or from a text dataset
+(chosen: a record's next words; rejected: them shuffled, truncated or taken from another record, as in arXiv
+2607.25091).
 """
 
 from __future__ import annotations

@@ -314,8 +314,8 @@ def gate(claim: Claim, leaks: dict) -> tuple[list[str], list[str]]:
              f"- headroom{who}: {claim.start_is}, on {claim.split}: {' / '.join(f'{x:.3f}' for x in starts)} (seeds "
              f"{' / '.join(map(str, claim.seeds))}), to lie in [{lo:.2f}, {hi:.2f}]: {verdict('headroom')}",
              f"- power{who}: {claim.n} distinct problems a seed, {len(claim.seeds)} seeds, each judged on its own: the "
-             f"noise rule detects a {'fall' if claim.fall else 'difference'} of {shown(d)} from {base}; the claim needs "
-             f"{claim.effect:.3f} ({claim.effect_is}): {verdict('power')}"]
+             f"noise rule detects a {'fall' if claim.fall else 'difference'} of {shown(d)} from {base}; the claim "
+             f"needs {claim.effect:.3f} ({claim.effect_is}): {verdict('power')}"]
     return lines, [f"{g}, {figures[g]}" for g in ok if not ok[g]]
 
 
@@ -331,8 +331,9 @@ def untestable(failed: list[str]) -> str:
 def gate_section(gates: list[tuple[list[str], list[str]]], names: list[str] = ()) -> list[str]:
     """The report's top section: each gate's lines, then what each lets its verdict be (`names`: of each claim)."""
     said = [untestable(failed) if failed else "passes" for _, failed in gates]
-    return ["## The gate (benchmarks/claim_runs.py, before any arm trains)", "", *[x for lines, _ in gates for x in lines],
-            "", "Gate: " + ("; ".join(f"{name}: {x}" for name, x in zip(names, said)) if names else said[0]) + ".", ""]
+    said = "; ".join(f"{name}: {x}" for name, x in zip(names, said)) if names else said[0]
+    return ["## The gate (benchmarks/claim_runs.py, before any arm trains)", "",
+            *[line for lines, _ in gates for line in lines], "", f"Gate: {said}.", ""]
 
 
 def with_gate(report: str, section: list[str]) -> str:

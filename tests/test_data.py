@@ -202,7 +202,7 @@ def test_testbed_nl_is_deterministic_with_disjoint_splits_and_graded_levels():
 def test_testbed_nl_solutions_compute_the_answer_and_knowledge_points_teach_without_the_answer():
     import re
 
-    from common.testbed_nl import states
+    states = lambda text, answer: answer in re.findall(r"\d+", text)  # noqa: E731 - as a whole number
 
     for p in load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 100):
         assert p.task == "nl" and p.solution.endswith(f"The answer is {p.answer}.")
@@ -215,17 +215,16 @@ def test_testbed_nl_solutions_compute_the_answer_and_knowledge_points_teach_with
             assert all(int(a) + (1 if op == "+" else -1) * int(b) == int(c) for a, op, b, c in facts)  # true facts
             if helpful:  # the operation's rule, or a partial sum: a step of the solution, or one from the question
                 assert not facts or hint in p.solution or facts[0][0] in p.question, (hint, p.solution)
-    p = load_problems("testbed-nl", "test", (4,), 2)[1]  # the answer as a partial sum's operand still counts
-    assert states(f"{p.answer} + 1 = 1000.", p.answer) and not states(f"1{p.answer}", p.answer)
+
 
 
 def test_testbed_nl_prompts_ask_for_the_answer_line_in_every_trainer_renderer(smollm2_dir):
-    from benchmarks.claim_runs import added_text
+    from benchmarks.claim_runs import added_text, states_answer
     from common.models import load_tokenizer
-    from common.testbed_nl import NL_INSTRUCTION, before_result, states
+    from common.testbed_nl import NL_INSTRUCTION
     from grounds import path_of
     from mada_rl import render_critic_prompt
-    from oc_grpo import render_guided_prompt, solution_prefix
+    from oc_grpo import before_result, render_guided_prompt, solution_prefix
 
     tok = load_tokenizer(path_of("smollm2-135m-instruct"), "")
     p = load_problems("testbed-nl", "test", (4,), 1)[0]
@@ -243,6 +242,6 @@ def test_testbed_nl_prompts_ask_for_the_answer_line_in_every_trainer_renderer(sm
     for q in load_problems("testbed-nl", "test", (1, 2, 3, 4, 5), 10):  # no fraction of the guidance states it
         for f in (0.3, 0.6, 1.0):
             added = added_text(render_prompt(q, tok), render_guided_prompt(q, tok, solution_prefix(q.solution, f)))
-            assert not states(added, q.answer), (added, q.answer)
+            assert not states_answer(added, q.answer, tok), (added, q.answer)
             assert added == "" or added.startswith("\n\nFirst steps of a solution, without its final result: ")
     assert "- 82\n- 64\n" in critic
