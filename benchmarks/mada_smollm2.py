@@ -241,7 +241,7 @@ def arm_lines(runs: dict, cli, gates: dict) -> list[str]:
 def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
     n = cli.num_eval_problems
     gates = {name: gate(c, {"leaks": 0, "contexts": 0}) for name, c in claims(cli, cols[BASE]).items()}
-    holds = {name: [ok for label, _, ok in proposal_premises(m, LEVEL) if label.startswith("responses: ")][0]
+    holds = {name: [ok for label, _, ok, _ in proposal_premises(m, LEVEL) if label.startswith("responses: ")][0]
              for name, m in cols.items()}
     evals = [r for r in grpo_record["rows"] if "eval/greedy_accuracy" in r]
     lv = {k: f"{evals[0][f'eval/greedy_accuracy/level_{k}']:.3f} -> {evals[-1][f'eval/greedy_accuracy/level_{k}']:.3f}"
@@ -270,7 +270,7 @@ def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
                  for one, alone in [(cols[name][f"L{LEVEL}, 1 of 3 responses right"], cols[name][f"L{LEVEL}"])]),
              "", "| premise | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     rows = {name: proposal_premises(m, LEVEL) for name, m in cols.items()}
-    for i, (label, _, _) in enumerate(rows[next(iter(cols))]):
+    for i, (label, _, _, _) in enumerate(rows[next(iter(cols))]):
         lines.append(f"| {label} | " + " | ".join(f"{rows[c][i][1]} {'pass' if rows[c][i][2] else '**fail**'}"
                                                   for c in cols) + " |")
     lines += ["", "| cell | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -309,7 +309,7 @@ def main():
                          f"not {n}: move it aside to rerun the GRPO run")
     cols = {BASE: base, "after GRPO (seed 1)": record["measured"]["cells"]}
     runs = {}
-    holds = [ok for label, _, ok in proposal_premises(base, LEVEL) if label.startswith("responses: ")][0]
+    holds = [ok for label, _, ok, _ in proposal_premises(base, LEVEL) if label.startswith("responses: ")][0]
     for seed in cli.seeds if holds else []:  # the critics start from the base model: its premise gates the arms
         for arm in ("counterfactual", "plain"):
             args = arm_args(arm, seed, cli)
