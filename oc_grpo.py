@@ -23,7 +23,8 @@ out from x~ and trained on x with the same weight).
 Left out, on purpose: veRL's dual-clip (c = 3) for negative advantages (grpo.py has none, and
 a diff should show only the guidance), the system prompt and "Reference solution:" wording of
 the paper's chat prompts (render_guided_prompt builds the guided prompt: testbed
-"Ref:<prefix>" line, real data "Partial reference solution: ..."), hint (non-prefix)
+"Ref:<prefix>" line, testbed-nl its first steps before the result, real data "Partial reference
+solution: ..." or "Reference solution: ..."), hint (non-prefix)
 guidance and the "replacement2" mode that swaps only correct guided samples into a group,
 and the is_weight_power knob.
 
@@ -324,13 +325,28 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
 
 
 # ALGO LOGIC: guided prompts and rollouts (common.rollout.attach re-attaches a completion to another prompt)
+def before_result(solution: str, answer: str) -> str:
+    """The solution's sentences before the first that states the answer as a whole number: a partial solution that
+    stops before the result ('First 47 + 35 = 82.' of '... Then 82 + 16 = 98. The answer is 98.')."""
+    m = re.search(rf"(?<![\d.,]){re.escape(answer)}(?!\d|[.,]\d)", solution)
+    return solution if m is None else solution[: solution.rfind(". ", 0, m.start()) + 1]
+
+
 def render_guided_prompt(problem, tokenizer, prefix: str) -> str:
-    """The guided prompt x~: the question and the first part of its reference solution. Testbed: the "Ref:<prefix>"
-    line the testbed models were warm-started with; other data: "Partial reference solution: <prefix>" after the
-    question's template (the paper puts "Reference solution:" in its system prompt)."""
+    """The guided prompt x~: the question and the first part of its reference solution, labelled as what it is, after
+    the question's template (the paper puts "Reference solution:" in its system prompt). Testbed: the "Ref:<prefix>"
+    line the testbed models were warm-started with; testbed-nl: never past the steps before the one that states the
+    result (before_result: the guidance teaches, it does not hand over the answer), "First steps of
+    a solution, without its final result: <prefix>", none when no step comes before it; other data: "Reference
+    solution: <prefix>" when the prefix is all of it, else "Partial reference solution: <prefix>"."""
     if problem.task == "testbed":
         return render_testbed_prompt(problem.question, solution_prefix=prefix)
-    return render_prompt(problem, tokenizer, suffix=f"\n\nPartial reference solution: {prefix}")
+    if problem.task == "nl":
+        prefix = prefix[: len(before_result(problem.solution, problem.answer))].rstrip()
+        return render_prompt(problem, tokenizer, suffix=f"\n\nFirst steps of a solution, without its final result: "
+                             f"{prefix}" if prefix else "")
+    label = "Reference solution" if prefix == solution_prefix(problem.solution, 1.0) else "Partial reference solution"
+    return render_prompt(problem, tokenizer, suffix=f"\n\n{label}: {prefix}")
 
 
 def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args,

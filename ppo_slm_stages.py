@@ -5,8 +5,9 @@ fine-tuned on the chosen completions (SFT), and a Bradley-Terry reward model on 
     RM:   minimise -log sigmoid(r(x, y_w) - r(x, y_l)), LoRA with alpha = 2r and a fully trained score head
 
 Pairs come from the testbed (chosen: the answer; rejected: a corrupted one), from testbed-nl (chosen: the worked
-solution; rejected: the same with one wrong step or a wrong answer) or from a text dataset (chosen: a record's next
-words; rejected: them shuffled, truncated or taken from another record, as in arXiv 2607.25091).
+solution; rejected: the same with one arithmetic slip carried forward to a wrong final answer) or from a text dataset
+(chosen: a record's next words; rejected: them shuffled, truncated or taken from another record, as in arXiv
+2607.25091).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Pair:
     chosen: str
     rejected: str
     problem: object = None  # the testbed Problem (verifiable), None for text
-    kind: str = ""  # testbed-nl: what is wrong in `rejected`, 'step' or 'answer'
+    kind: str = ""  # testbed-nl: where `rejected`'s slip is, an earlier 'step' or the last ('answer')
 
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:
@@ -56,20 +57,30 @@ def near_miss(n: int, rng: random.Random) -> int:
 
 
 def wrong_solution(solution: str, answer: str, rng: random.Random) -> tuple[str, str]:
-    """A testbed-nl worked solution made wrong, and how: 'step' (one intermediate result off by 1-3, the rest
-    unchanged, so the final answer is still right and only the reasoning is wrong; where there are several steps)
-    or 'answer' (the final result off by 1-3 in its last step and in 'The answer is').
+    """A testbed-nl worked solution made wrong by one arithmetic slip, carried forward, and where the slip is: 'step'
+    (an intermediate result 1 to 3 too high, where there are several steps) or 'answer' (the last step's result off
+    by 1 to 3). Every later step computes right from the wrong figure, so the final answer is wrong either way and no
+    string cue (a result that the next step does not use) tells the rejected solution apart: only its arithmetic.
 
     >>> wrong_solution("First 2 + 3 = 5. Then 5 + 4 = 9. The answer is 9.", "9", random.Random(0))
     ('First 2 + 3 = 5. Then 5 + 4 = 10. The answer is 10.', 'answer')
     >>> wrong_solution("First 2 + 3 = 5. Then 5 + 4 = 9. The answer is 9.", "9", random.Random(1))
-    ('First 2 + 3 = 4. Then 5 + 4 = 9. The answer is 9.', 'step')
+    ('First 2 + 3 = 7. Then 7 + 4 = 11. The answer is 11.', 'step')
     """
-    steps = [m for m in re.finditer(r"= (\d+)", solution) if m.group(1) != answer]
-    if steps and rng.random() < 0.5:
-        m = rng.choice(steps)
-        return solution[: m.start(1)] + str(near_miss(int(m.group(1)), rng)) + solution[m.end(1):], "step"
-    return re.sub(rf"\b{answer}\b", str(near_miss(int(answer), rng)), solution), "answer"
+    steps = list(re.finditer(r"(\d+) ([+-]) (\d+) = (\d+)", solution))
+    slip = rng.randrange(len(steps) - 1) if len(steps) > 1 and rng.random() < 0.5 else len(steps) - 1
+    carried, out, end = {}, [], 0  # carried: a true result -> the wrong one, used once by a later step
+    for i, m in enumerate(steps[slip:], start=slip):
+        a, b = carried.pop(int(m[1]), int(m[1])), carried.pop(int(m[3]), int(m[3]))
+        result = a + b if m[2] == "+" else a - b
+        if i == slip:  # an earlier step's slip is upward: the running total it feeds never falls below 0
+            result = near_miss(result, rng) if i == len(steps) - 1 else result + rng.randint(1, 3)
+        if result != int(m[4]):
+            carried[int(m[4])] = result
+        out += [solution[end : m.start()], f"{a} {m[2]} {b} = {result}"]
+        end = m.end()
+    text = re.sub(rf"The answer is {answer}\b", f"The answer is {result}", "".join(out) + solution[end:])
+    return text, "step" if slip < len(steps) - 1 else "answer"
 
 
 def read_texts(dataset: str, split: str, field: str, n: int = 0) -> list[str]:

@@ -26,7 +26,10 @@ again if this checkout lacks it). On it, at level 4 of testbed-nl:
 Every finished run and measurement is kept as a record in benchmarks/runs/adakp_smollm2/ (benchmarks/claim_runs.py),
 so the command is rerun until its report says it is complete; an interrupted run continues from its checkpoint.
 The verdict rule: shown if adakp beats both static and none on no-hint level-4 accuracy beyond the noise on both
-seeds; partly if it beats them on both seeds inside the noise or on one seed beyond it; else not shown.
+seeds; partly if it beats them on both seeds inside the noise or on one seed beyond it; else not shown. Before the
+arms, the gate (benchmarks/claim_runs.py, `claim`): no knowledge point of a judged problem may state its answer, the
+start's no-hint accuracy must leave room, and 40 problems must be able to show a plausible gain; where it fails, the
+verdict is "untestable here".
 """
 
 import argparse
@@ -43,13 +46,15 @@ import tyro  # noqa: E402
 import adakp  # noqa: E402
 import grpo  # noqa: E402
 from benchmarks.adakp_benchmark import proxy_check, proxy_lines  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run, margin, verdict_lines  # noqa: E402
+from benchmarks.claim_runs import (GROUND, Claim, cached, finished_run, gate, gate_section, margin,  # noqa: E402
+                                   recorded_leakage, records_ground, untestable, verdict_lines)
 from benchmarks.grpo_smollm2 import START, start_args  # noqa: E402
 from benchmarks.testbed_premises import hinted_prompt, nl_accuracy  # noqa: E402
 from common.data import load_problems, render_prompt  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
+from grounds import path_of  # noqa: E402
 
-LEVEL = 4
+MODEL, LEVEL = "smollm2-135m-instruct", 4
 ARMS = ("adakp", "static", "none")
 RECIPE = ["--dataset", "testbed-nl", "--levels", str(LEVEL), "--num-prompts", "4", "--group-size", "8",
           "--max-new-tokens", "48", "--micro-batch-size", "16", "--share-prompt", "--learning-rate", "2e-5",
@@ -69,6 +74,21 @@ def hint_cells(model_dir: str, n: int) -> dict:
             "helpful": nl_accuracy(model, tok, problems, [hinted_prompt(p, tok, True) for p in problems]),
             "distractors": nl_accuracy(model, tok, problems, [hinted_prompt(p, tok, False) for p in problems]),
             "seconds": time.time() - t0}
+
+
+def claim(cli, start: dict) -> Claim:
+    """The claim's gate declaration: adakp above static and none on no-hint level 4 of the start's cells."""
+    return Claim(split=f"held-out level 4, the cells' {cli.num_eval_problems} problems", n=cli.num_eval_problems,
+                 seeds=list(cli.seeds), start={s: start["measured"]["none"] for s in cli.seeds},
+                 start_is="no-hint greedy accuracy of the start (every arm's)", effect=0.10,
+                 effect_is="plausible: KnowRL's no-hint gain over its base, +9.6 points (ALGORITHMS.md 4.2; AdaKP's own "
+                           "paper not found)",
+                 contexts_are="the knowledge points of every judged problem, helpful and distractors")
+
+
+def knowledge_points(n: int) -> list:
+    """(knowledge point, gold answer) for every KP of the judged problems (hint_cells')."""
+    return [(h, p.answer) for p in load_problems("testbed-nl", "test", (LEVEL,), n, 0) for h in p.hints]
 
 
 def kp_means(rows: list) -> dict:
@@ -99,7 +119,7 @@ def verdict(after: dict, seeds: list, n: int) -> tuple[str, list[str]]:
     return "not shown", notes
 
 
-def report(cli, start: dict, proxy: dict, runs: dict) -> str:
+def report(cli, start: dict, proxy: dict, runs: dict, section: list, failed: list) -> str:
     seeds_done = [s for s in cli.seeds if all((a, s) in runs for a in ARMS)]  # the verdict's arms
     n = cli.num_eval_problems
     sc = start["measured"]
@@ -112,7 +132,7 @@ def report(cli, start: dict, proxy: dict, runs: dict) -> str:
              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). "
              f"Greedy accuracy on {n} held-out level-{LEVEL} problems of testbed-nl, up to 64 new tokens (a cut "
              f"answer scores 0); noise of a difference of two such cells: up to +-{margin(0.5, 0.5, n):.2f} (95 %, "
-             "at 0.5).", "",
+             "at 0.5).", "", *section,
              f"The start (all arms): benchmarks/grpo_smollm2.py's recipe, seed 1, {cli.steps} steps on levels 1-2 (held-out "
              f"greedy level 1 {lv[1]}, level 2 {lv[2]}; {start['seconds'] / 60:.0f} minutes).", "",
              "## The premise on the start", "",
@@ -139,7 +159,11 @@ def report(cli, start: dict, proxy: dict, runs: dict) -> str:
                      f"| {c['none']:.3f} | {c['helpful']:.3f} | {c['distractors']:.3f} | {k['size']:.2f} | "
                      f"{k['helpful']:.2f} | {k['zero_correct']:.3f} | {k['proxy_passes']:.0f} | "
                      f"{rec['seconds'] / 60:.0f} |")
-    lines += verdict_lines(seeds_done, cli.seeds, lambda done: verdict(after, done, n),
+    def judge(done):
+        status, notes = verdict(after, done, n)
+        return (f"{untestable(failed)} (the rule alone: {status})" if failed else status), notes
+
+    lines += verdict_lines(seeds_done, cli.seeds, judge,
                            "The rule (issue 40): adakp beats both static and none on no-hint level-4 accuracy beyond "
                            "the noise on both seeds: shown; ahead of both on every seed inside the noise, or beyond it "
                            "on one seed: partly; else not shown.")
@@ -165,10 +189,17 @@ def main():
     start = finished_run(grpo, start_args(cli.steps, cli.start_dir), cli.records, weights=not cli.report_only,
                          make=not cli.report_only,
                          measure=lambda d: hint_cells(os.path.join(d, "checkpoint"), n))
+    tokenizer = load_tokenizer(path_of(MODEL))
+    leaks = recorded_leakage(os.path.join(cli.records, "gate_leakage.json"), {"n": n}, lambda: knowledge_points(n),
+                             tokenizer, records_ground(cli.records) if cli.report_only else GROUND)
+    lines, failed = gate(claim(cli, start), leaks)
+    section = gate_section([(lines, failed)])
+    print("\n".join(section))
     weights = os.path.join(cli.start_dir, "grpo_seed1", "checkpoint")
     proxy = cached(os.path.join(cli.records, "proxy.json"),
                    {"problems": cli.proxy_problems, "samples": cli.proxy_samples, "start_steps": cli.steps},
-                   lambda: proxy_check(weights, "testbed-nl", LEVEL, cli.proxy_problems, cli.proxy_samples, 48, 32))
+                   lambda: proxy_check(weights, "testbed-nl", LEVEL, cli.proxy_problems, cli.proxy_samples, 48, 32),
+                   make=not cli.report_only)
     runs = {}
     for seed in cli.seeds:
         for arm in cli.arms:
@@ -180,8 +211,8 @@ def main():
             runs[(arm, seed)] = finished_run(adakp, args, cli.records, lambda d: {
                 "cells": hint_cells(os.path.join(d, "checkpoint"), n), "n": n}, make=not cli.report_only)
             with open(cli.out, "w") as f:
-                f.write(report(cli, start, proxy, runs))
-    text = report(cli, start, proxy, runs)
+                f.write(report(cli, start, proxy, runs, section, failed))
+    text = report(cli, start, proxy, runs, section, failed)
     with open(cli.out, "w") as f:
         f.write(text)
     print(text)

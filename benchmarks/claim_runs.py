@@ -6,6 +6,12 @@ args.json, its metric rows, its own seconds, and what the benchmark measured on 
 `finished_run` returns, in this order: the record of a run with the same arguments; a finished run folder (recorded
 now); an interrupted run continued from its last checkpoint by the trainer's own --resume (the same numbers as a run
 never stopped); a fresh run. A benchmark is then one command, rerun until its report says it is complete.
+
+Before any arm trains, a claim benchmark runs the gate (`Claim`, `gate`): can the claim fail for the right reason on
+this ground? Three lines at the top of its report: leakage (the contexts the method adds that state the gold answer:
+0 to pass), headroom (the control's start on the judged split within HEADROOM) and power (the smallest difference
+the planned problems can show under ../shared/CLAIMS.md's noise rule, no larger than the effect the claim needs). A
+failed gate makes the verdict "untestable here: <gate, figure>", never "not shown".
 """
 
 import dataclasses
@@ -16,6 +22,7 @@ import time
 
 from common.checkpoint import find_checkpoint
 from common.logger import read_metrics
+from common.testbed_nl import VERSION as GROUND
 
 DERIVED = ("batch_size", "minibatch_size", "resume", "save_every", "output_dir")
 """args.json fields that do not make a run different: filled in after the start, or without effect on its numbers
@@ -80,7 +87,9 @@ def finished_run(module, args, record_dir: str, measure=None, weights: bool = Fa
     `measure(run_dir) -> dict` runs once on the finished folder (its checkpoint holds the final weights) and its
     result is kept in the record. weights=True: the caller needs the final weights too (a benchmark that starts
     from them), so the record is read back only beside a finished run folder; without one the run is made again.
-    make=False (a report written from the records): never run; no record of these arguments is a one-line error."""
+    make=False (a report written from the records): never run; no record of these arguments is a one-line error.
+    A record made on another version of testbed-nl (its "ground"; 1 when absent) is a run on other problems or
+    contexts: read back for a report, never in place of a run."""
     path = os.path.join(record_dir, f"{args.run_name}.json")
     try:
         if weights and folder_state(module, args) != "finished":
@@ -88,9 +97,13 @@ def finished_run(module, args, record_dir: str, measure=None, weights: bool = Fa
         with open(path) as f:
             record = json.load(f)
         if same_args(record["args"], _as_json(args), _as_json(module.Args())):
-            print(f"{args.run_name}: read back from {os.path.relpath(path)}")
-            return record
-        print(f"{args.run_name}: {os.path.relpath(path)} is a run with other arguments; running this one")
+            if not make or record.get("ground", 1) == GROUND:
+                print(f"{args.run_name}: read back from {os.path.relpath(path)}")
+                return record
+            print(f"{args.run_name}: {os.path.relpath(path)} was made on testbed-nl version {record.get('ground', 1)}, "
+                  f"not {GROUND}; running it again")
+        else:
+            print(f"{args.run_name}: {os.path.relpath(path)} is a run with other arguments; running this one")
     except (OSError, ValueError, KeyError):
         pass
     if not make:
@@ -111,7 +124,7 @@ def finished_run(module, args, record_dir: str, measure=None, weights: bool = Fa
         saved = json.load(f)
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     record = {"args": saved, "rows": rows, "seconds": run_seconds(run_dir, rows),
-              "measured": measure(run_dir) if measure else {}}
+              "measured": measure(run_dir) if measure else {}, "ground": GROUND}
     os.makedirs(record_dir, exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, separators=(",", ":"))
@@ -120,17 +133,21 @@ def finished_run(module, args, record_dir: str, measure=None, weights: bool = Fa
     return record
 
 
-def cached(path: str, settings: dict, measure) -> dict:
-    """`measure()` with "settings" added, read back from the record `path` when it was made with the same `settings`,
-    else measured and written there (atomically): a measurement of a model that a rerun need not repeat."""
+def cached(path: str, settings: dict, measure, make: bool = True) -> dict:
+    """`measure()` with "settings" added, read back from the record `path` when it was made with the same `settings`
+    on this testbed-nl version (any version with make=False: a report), else measured and written there (atomically):
+    a measurement of a model that a rerun need not repeat. make=False and no such record: a one-line error."""
     try:
         with open(path) as f:
             saved = json.load(f)
-        if saved["settings"] == settings:
+        if saved["settings"] == settings and (not make or saved.get("ground", 1) == GROUND):
             return saved
     except (OSError, ValueError, KeyError):
         pass
-    res = {**measure(), "settings": settings}
+    if not make:
+        raise SystemExit(f"error: no record of this measurement in {os.path.relpath(path)} (a report from the records "
+                         "measures nothing: rerun without --report-only)")
+    res = {**measure(), "settings": settings, "ground": GROUND}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(res, f, indent=1)
@@ -163,3 +180,170 @@ def verdict_lines(done: list, seeds, judge, rule: str) -> list[str]:
         return ["", f"Incomplete: seeds finished {done or 'none'} of {list(seeds)}{then}"]
     verdict, notes = judge(done)
     return ["", f"## Verdict: {verdict}", "", rule, "", *[f"- {x}" for x in notes]]
+
+
+# --- the gate: can the claim fail for the right reason on this ground? ---------------------------------------------
+HEADROOM = (0.10, 0.90)
+"""where the control's start must lie on the judged split (../shared/CLAIMS.md)"""
+
+
+@dataclasses.dataclass
+class Claim:
+    """What a claim benchmark declares before any arm trains, for `gate`.
+
+    split: the judged split in words; n: its distinct problems (one seed's evaluation); seeds: the seeds planned.
+    start: {seed: the control arm's starting figure on the split}; start_is: what that figure is, greedy accuracy or,
+    where the claim is about discovering solutions, sampled pass@k. effect: the difference the claim needs;
+    effect_is: whence (the paper's effect, or a stated plausible one); fall: the claim is a fall from the start (a
+    collapse), not a rise; against: a fixed rate the method is compared with instead of the control (a win rate's
+    0.5). contexts_are: what the method adds to a judged problem's prompt (a hint, a knowledge point, guidance, a
+    proposal, a teacher's text), or why nothing."""
+    split: str
+    n: int
+    seeds: list
+    start: dict
+    start_is: str
+    effect: float
+    effect_is: str
+    contexts_are: str = "none: the method adds nothing to the prompt"
+    fall: bool = False
+    against: float | None = None
+    name: str = ""
+
+
+def _whole(text: str, a: int, b: int) -> bool:
+    """text[a:b] is not part of a longer number or word: no letter or digit beside it, nor a decimal point or a
+    thousands comma between it and a digit."""
+    before, after = text[a - 1 : a], text[b : b + 1]
+    if before.isalnum() or after.isalnum():
+        return False
+    return not (before in ".," and text[a - 2 : a - 1].isdigit() or after in ".," and text[b + 1 : b + 2].isdigit())
+
+
+def states_answer(text: str, answer: str, tokenizer) -> bool:
+    """Whether `text` holds the gold `answer` as the model reads it: the answer's token ids (alone, or after a space,
+    for tokenizers that merge the two) as a contiguous run of the text's, where that run is a whole number or word of
+    the text (on SmolLM2 every digit is a token, so '68' is a run of '168' too: not counted)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids_T, spans = enc["input_ids"], enc["offset_mapping"]
+    for form in (answer, " " + answer):
+        want = tokenizer(form, add_special_tokens=False)["input_ids"]
+        for i in range(len(ids_T) - len(want) + 1):
+            if ids_T[i : i + len(want)] == want:
+                a, b = spans[i][0], spans[i + len(want) - 1][1]
+                a += len(text[a:b]) - len(text[a:b].lstrip())  # a leading space is not part of the number
+                if _whole(text, a, b):
+                    return True
+    return False
+
+
+def leakage(contexts: list, tokenizer) -> dict:
+    """Of the (added text, gold answer) pairs, how many texts state their answer: {"leaks", "contexts"}."""
+    return {"leaks": sum(states_answer(text, answer, tokenizer) for text, answer in contexts),
+            "contexts": len(contexts)}
+
+
+def records_ground(record_dir: str) -> int:
+    """The testbed-nl version the runs recorded in `record_dir` were made on (the oldest where they differ), this
+    checkout's where none is recorded."""
+    grounds = []
+    for name in sorted(os.listdir(record_dir)) if os.path.isdir(record_dir) else []:
+        with open(os.path.join(record_dir, name)) as f:
+            record = json.load(f) if name.endswith(".json") else {}
+        if "args" in record:
+            grounds.append(record.get("ground", 1))
+    return min(grounds, default=GROUND)
+
+
+def recorded_leakage(path: str, settings: dict, contexts, tokenizer, ground: int = GROUND) -> dict:
+    """`leakage(contexts(), tokenizer)` kept as a record at `path`: measured for runs on this testbed-nl version, or,
+    for a report of runs made on an older one (`ground`), read from the record made with them (this checkout renders
+    other contexts)."""
+    return cached(path, settings, lambda: leakage(contexts(), tokenizer), make=ground == GROUND)
+
+
+def added_text(plain: str, guided: str) -> str:
+    """What a method's prompt adds to the plain one: `guided` without the head and tail it shares with `plain`.
+
+    >>> added_text("<u>Q?</u><a>", "<u>Q? Hint: 3 + 4 = 7.</u><a>")
+    ' Hint: 3 + 4 = 7.'
+    """
+    head = len(os.path.commonprefix([plain, guided]))
+    tail = len(os.path.commonprefix([plain[head:][::-1], guided[head:][::-1]]))
+    return guided[head : len(guided) - tail]
+
+
+def detectable(p0: float, n: int, against: float | None = None) -> float:
+    """The smallest difference the noise rule calls an effect with n problems: d = margin(p0 + d, p0, n), a method
+    above a control at p0 (on a 0.001 grid; inf where none fits below 1), or, against a fixed rate, the 95 % half-width
+    of one rate of n problems at it.
+
+    >>> detectable(0.5, 40), detectable(0.25, 40), detectable(0.4, 10_000), round(detectable(0.5, 80, against=0.5), 3)
+    (0.215, 0.21, 0.014, 0.11)
+    """
+    if against is not None:
+        return 1.96 * (against * (1 - against) / n) ** 0.5
+    for k in range(1, 1001):
+        d = k / 1000
+        if p0 + d > 1:
+            break
+        if d > margin(p0 + d, p0, n):
+            return d
+    return float("inf")
+
+
+def gate(claim: Claim, leaks: dict) -> tuple[list[str], list[str]]:
+    """The gate's three lines for the report, from the claim and its `leakage`, and the gates that failed with their
+    figures ([] when it passes)."""
+    lo, hi = HEADROOM
+    shown = lambda d: f"{d:.3f}" if d < float("inf") else "none (no room)"  # noqa: E731
+    starts = [claim.start[s] for s in claim.seeds]
+    p0 = sum(starts) / len(starts)
+    d = detectable(1 - p0 if claim.fall else p0, claim.n, claim.against)
+    ok = {"leakage": leaks["leaks"] == 0, "headroom": all(lo <= x <= hi for x in starts),
+          "power": d <= claim.effect and len(claim.seeds) >= 2}
+    figures = {"leakage": f"{leaks['leaks']} of {leaks['contexts']} added contexts state the answer",
+               "headroom": f"the control starts at {' / '.join(f'{x:.3f}' for x in starts)}",
+               "power": f"detectable {shown(d)} > needed {claim.effect:.3f}" if len(claim.seeds) >= 2
+               else f"{len(claim.seeds)} seed"}
+    verdict = lambda g: "pass" if ok[g] else "**fail**"  # noqa: E731
+    who = f" ({claim.name})" if claim.name else ""
+    base = f"{claim.against:.2f}" if claim.against is not None else f"the control's {p0:.3f}"
+    lines = [f"- leakage{who}: {leaks['leaks']} of {leaks['contexts']} contexts the method adds to the judged problems "
+             f"state the gold answer ({claim.contexts_are}): {verdict('leakage')}",
+             f"- headroom{who}: {claim.start_is}, on {claim.split}: {' / '.join(f'{x:.3f}' for x in starts)} (seeds "
+             f"{' / '.join(map(str, claim.seeds))}), to lie in [{lo:.2f}, {hi:.2f}]: {verdict('headroom')}",
+             f"- power{who}: {claim.n} distinct problems a seed, {len(claim.seeds)} seeds, each judged on its own: the "
+             f"noise rule detects a {'fall' if claim.fall else 'difference'} of {shown(d)} from {base}; the claim "
+             f"needs {claim.effect:.3f} ({claim.effect_is}): {verdict('power')}"]
+    return lines, [f"{g}, {figures[g]}" for g in ok if not ok[g]]
+
+
+def untestable(failed: list[str]) -> str:
+    """The verdict of a failed gate.
+
+    >>> untestable(["power, detectable 0.200 > needed 0.100"])
+    'untestable here: power, detectable 0.200 > needed 0.100'
+    """
+    return "untestable here: " + "; ".join(failed)
+
+
+def gate_section(gates: list[tuple[list[str], list[str]]], names: list[str] = ()) -> list[str]:
+    """The report's top section: each gate's lines, then what each lets its verdict be (`names`: of each claim)."""
+    said = [untestable(failed) if failed else "passes" for _, failed in gates]
+    said = "; ".join(f"{name}: {x}" for name, x in zip(names, said)) if names else said[0]
+    return ["## The gate (benchmarks/claim_runs.py, before any arm trains)", "",
+            *[line for lines, _ in gates for line in lines], "", f"Gate: {said}.", ""]
+
+
+def with_gate(report: str, section: list[str]) -> str:
+    """`report` with its gate section replaced by `section`, or put after its first two paragraphs (the title and
+    the command) where it has none: a report whose runs are not recorded gets its gate without a rerun."""
+    parts = report.split("\n\n")
+    start = next((i for i, x in enumerate(parts) if x.startswith("## The gate")), None)
+    if start is None:
+        head, tail = parts[:2], parts[2:]
+    else:
+        end = next(i for i in range(start, len(parts)) if parts[i].startswith("Gate: "))  # its last paragraph
+        head, tail = parts[:start], parts[end + 1:]
+    return "\n\n".join([*head, "\n".join(section).strip(), *tail])

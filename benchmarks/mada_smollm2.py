@@ -33,6 +33,11 @@ counterfactual arm's debate above the plain arm's, the same rule.
 
 Every run and each model's cells are kept as records in benchmarks/runs/mada_smollm2/ (benchmarks/claim_runs.py),
 so a rerun reads them back; mada_rl.py writes no checkpoints, so an interrupted arm starts again.
+
+The gate (benchmarks/claim_runs.py, `claims`), once the base model's cells are measured and before any arm trains:
+the critics read the generators' own samples, nothing built from the reference; the base model (every agent's start,
+so also the generators' vote) must leave room on level 2; and 40 problems must be able to show the paper's effects.
+A failed gate makes a verdict "untestable here".
 """
 
 import argparse
@@ -48,7 +53,8 @@ import torch  # noqa: E402
 import grpo  # noqa: E402
 import mada_rl  # noqa: E402
 import tyro  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run, margin, verdict_lines  # noqa: E402
+from benchmarks.claim_runs import (Claim, cached, finished_run, gate, gate_section, margin, untestable,  # noqa: E402
+                                   verdict_lines)
 from benchmarks.grpo_smollm2 import RECIPE, START, start_args  # noqa: E402
 from benchmarks.testbed_premises import nl_accuracy, proposal_cells, proposal_premises  # noqa: E402
 from common.data import load_problems, render_prompt  # noqa: E402
@@ -64,6 +70,22 @@ ARM_FLAGS = ["--model-name", MODEL, "--dataset", "testbed-nl", "--levels", str(L
              "--log-samples", "4"]
 """mada_rl.py's flags in both arms (LoRA r 8, lr 1e-3: its defaults): grpo_smollm2's batch on the premise's level,
 64 new tokens (a level-2 worked solution is 49-55 tokens), 60 training problems an agent (6 agents)"""
+
+
+def claims(cli, base: dict) -> dict:
+    """The gate declarations of the two verdicts: debate over the generators' vote, counterfactual over plain critics
+    (the base model's greedy accuracy alone is every agent's start, and the vote of three copies of it)."""
+    n = cli.num_eval_problems
+    common = dict(split=f"held-out level {LEVEL}, {n} problems a seed (the trainer's evaluation)",
+                  n=min(len({p.question for p in load_problems("testbed-nl", "test", (LEVEL,), n, s)})
+                        for s in cli.seeds),
+                  seeds=list(cli.seeds), start={s: base[f"L{LEVEL}"] for s in cli.seeds},
+                  start_is="greedy accuracy of the base model (every agent's start; the cells)",
+                  contexts_are="none from the reference: the critics read the generators' own samples")
+    return {"debate": Claim(**common, effect=0.02, name="debate",
+                            effect_is="the paper: MADA over its base, 39.9 -> 41.9, ALGORITHMS.md 5.6"),
+            "critic": Claim(**common, effect=0.008, name="critic", effect_is="the paper: without the counterfactual "
+                            "advantage 41.1 against 41.9 (p = 0.095), ALGORITHMS.md 5.6")}
 
 
 def cells(model_dir: str, n: int) -> dict:
@@ -131,7 +153,7 @@ def generator_lines(runs: dict) -> list[str]:
                     "generators, so a debate above their vote is not a debate above the base model."]
 
 
-def arm_lines(runs: dict, cli) -> list[str]:
+def arm_lines(runs: dict, cli, gates: dict) -> list[str]:
     """The arms' table and verdicts from {(arm, seed): record}."""
     n = cli.num_eval_problems
     f = lambda x: f"{x:.3f}"  # noqa: E731
@@ -169,22 +191,25 @@ def arm_lines(runs: dict, cli) -> list[str]:
               "problems, mean over Stage 3 steps (sampled at T = 1)."]
     done = [s for s in cli.seeds if all((a, s) in runs for a in ("counterfactual", "plain"))]
 
-    def judge(seeds, a_key, b_of):
+    def judge(seeds, a_key, b_of, name):
         notes, beyond, ahead = [], [], []
         for s in seeds:
             a, b = a_key(s), b_of(s)
             beyond.append(a - b > margin(a, b, n))
             ahead.append(a > b)
             notes.append(f"seed {s}: {a:.3f} against {b:.3f} ({a - b:+.3f}, noise +-{margin(a, b, n):.3f})")
-        return ("shown" if all(beyond) else "partly shown" if all(ahead) or any(beyond) else "not shown"), notes
+        status = "shown" if all(beyond) else "partly shown" if all(ahead) or any(beyond) else "not shown"
+        failed = gates[name][1]
+        return (f"{untestable(failed)} (the rule alone: {status})" if failed else status), notes
 
     fin = lambda arm, s, k: debate_rows(runs[(arm, s)])[-1][f"mada/eval/{k}"]  # noqa: E731
     debate = verdict_lines(done, cli.seeds, lambda d: judge(d, lambda s: fin("counterfactual", s, "debate_accuracy"),
-                                                            lambda s: fin("counterfactual", s, "majority_accuracy")),
+                                                            lambda s: fin("counterfactual", s, "majority_accuracy"),
+                                                            "debate"),
                            "Debate against the vote (counterfactual arm): the debate above the generators' majority "
                            "beyond the noise on both seeds: shown; above on both inside it, or beyond on one: partly.")
     critic = verdict_lines(done, cli.seeds, lambda d: judge(d, lambda s: fin("counterfactual", s, "debate_accuracy"),
-                                                            lambda s: fin("plain", s, "debate_accuracy")),
+                                                            lambda s: fin("plain", s, "debate_accuracy"), "critic"),
                            "Counterfactual against plain critic advantage: the counterfactual arm's debate above the "
                            "plain arm's, the same rule.")
     if len(debate) > 2:
@@ -193,7 +218,14 @@ def arm_lines(runs: dict, cli) -> list[str]:
         # a failed premise is reported, never as evidence)
         alone = {s: debate_rows(runs[("counterfactual", s)])[0]["mada/eval/single_accuracy"] for s in done}
         broken = [s for s in done if fin("counterfactual", s, "single_accuracy") < alone[s]]
-        if broken:
+        if broken and gates["debate"][1]:  # untestable here already; the premise's failure is noted
+            debate[1] = debate[1].replace("Verdict", "Verdict, debate")
+            debate.append(f"- Stage 1 also left the generators below the base model alone on seed"
+                          f"{'s' if len(broken) > 1 else ''} {', '.join(map(str, broken))} (premise fails): " + "; ".join(
+                              f"seed {s}: debate {fin('counterfactual', s, 'debate_accuracy'):.3f}, generators "
+                              f"{fin('counterfactual', s, 'single_accuracy'):.3f}, base alone {alone[s]:.3f}"
+                              for s in done))
+        elif broken:
             debate[1] = (f"## Verdict, debate: premise fails (Stage 1 left the generators below the base model alone "
                          f"on seed{'s' if len(broken) > 1 else ''} {', '.join(map(str, broken))}; the rule alone would "
                          f"say: {debate[1].split(': ', 1)[1]})")
@@ -208,7 +240,8 @@ def arm_lines(runs: dict, cli) -> list[str]:
 
 def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
     n = cli.num_eval_problems
-    holds = {name: [ok for label, _, ok in proposal_premises(m, LEVEL) if label.startswith("responses: ")][0]
+    gates = {name: gate(c, {"leaks": 0, "contexts": 0}) for name, c in claims(cli, cols[BASE]).items()}
+    holds = {name: [ok for label, _, ok, _ in proposal_premises(m, LEVEL) if label.startswith("responses: ")][0]
              for name, m in cols.items()}
     evals = [r for r in grpo_record["rows"] if "eval/greedy_accuracy" in r]
     lv = {k: f"{evals[0][f'eval/greedy_accuracy/level_{k}']:.3f} -> {evals[-1][f'eval/greedy_accuracy/level_{k}']:.3f}"
@@ -226,6 +259,7 @@ def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
              f"--num-eval-problems 40` (held-out greedy accuracy level 1 {lv[1]}, level 2 {lv[2]}; "
              f"{grpo_record['seconds'] / 60:.0f} minutes). Noise: a cell of {n} problems is "
              f"+-{1.96 * (0.25 / n) ** 0.5:.2f} at p = 0.5 (95 %).", "",
+             *gate_section(list(gates.values()), list(gates)),
              f"## Verdict: {verdict}", "",
              "The premise (issue 42): with critics reading the generators' responses, 1 of 3 right lifts accuracy by "
              ">= 0.10 over answering alone. " + " ".join(
@@ -236,14 +270,14 @@ def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
                  for one, alone in [(cols[name][f"L{LEVEL}, 1 of 3 responses right"], cols[name][f"L{LEVEL}"])]),
              "", "| premise | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     rows = {name: proposal_premises(m, LEVEL) for name, m in cols.items()}
-    for i, (label, _, _) in enumerate(rows[next(iter(cols))]):
+    for i, (label, _, _, _) in enumerate(rows[next(iter(cols))]):
         lines.append(f"| {label} | " + " | ".join(f"{rows[c][i][1]} {'pass' if rows[c][i][2] else '**fail**'}"
                                                   for c in cols) + " |")
     lines += ["", "| cell | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for k in [k for k in cols[next(iter(cols))] if k.startswith("L")]:
         lines.append(f"| {k} | " + " | ".join(f"{cols[c][k]:.3f}" for c in cols) + " |")
     if holds[BASE]:
-        lines += arm_lines(runs or {}, cli)
+        lines += arm_lines(runs or {}, cli, gates)
     else:
         lines += ["", "With the premise failing on both models the training arms of the claim (debate against the "
                   "generators' vote, counterfactual against plain critic advantages) were not run: neither outcome "
@@ -265,7 +299,8 @@ def main():
     cli = p.parse_args()
     os.chdir(ROOT)  # the plain arm's --generators-from is relative: records made in one clone are read in another
     n = cli.num_eval_problems
-    base = cached(os.path.join(cli.records, "cells_base.json"), {"n": n}, lambda: cells(path_of(MODEL), n))
+    base = cached(os.path.join(cli.records, "cells_base.json"), {"n": n}, lambda: cells(path_of(MODEL), n),
+                  make=not cli.report_only)
     record = finished_run(grpo, start_args(cli.steps, cli.output_dir), cli.records,
                           lambda run_dir: {"cells": cells(os.path.join(run_dir, "checkpoint"), n), "n": n},
                           make=not cli.report_only)
@@ -274,7 +309,7 @@ def main():
                          f"not {n}: move it aside to rerun the GRPO run")
     cols = {BASE: base, "after GRPO (seed 1)": record["measured"]["cells"]}
     runs = {}
-    holds = [ok for label, _, ok in proposal_premises(base, LEVEL) if label.startswith("responses: ")][0]
+    holds = [ok for label, _, ok, _ in proposal_premises(base, LEVEL) if label.startswith("responses: ")][0]
     for seed in cli.seeds if holds else []:  # the critics start from the base model: its premise gates the arms
         for arm in ("counterfactual", "plain"):
             args = arm_args(arm, seed, cli)

@@ -25,7 +25,13 @@ beyond the 90 minutes of ../shared/CLAIMS.md, kept so because 30 steps is the re
 a complete comparison), the report is rewritten after every run, every finished run is kept as a record in
 benchmarks/runs/oc_grpo_smollm2/ (benchmarks/claim_runs.py: read back, not rerun), and an unfinished one continues
 from its last checkpoint (every --save-every steps; run folders are not committed, so within one checkout) through
-the trainer's own --resume. Rerun the same command until the report says it is complete.
+the trainer's own --resume. Rerun the same command until the report says it is complete; --report-only writes the
+report from the records and runs nothing.
+
+The gate (benchmarks/claim_runs.py, `claim`), before any arm trains: the guidance the OC arms add to each judged
+problem (the held-out level-3 problems of every seed, at every fraction of the cascade) must not state the answer;
+the claim is about discovering the solutions of all-fail groups, so its headroom is the base model's sampled pass@k
+on them (the probe, measured first); and 40 problems a seed must be able to show the paper's gain over GRPO.
 """
 
 import argparse
@@ -42,7 +48,8 @@ import tyro  # noqa: E402
 
 import grpo  # noqa: E402
 import oc_grpo  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
+from benchmarks.claim_runs import (GROUND, Claim, added_text, cached, finished_run, gate, gate_section,  # noqa: E402
+                                   margin, recorded_leakage, records_ground, untestable)
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
 from common.evaluate import pass_at_k  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
@@ -85,6 +92,24 @@ def matched_group_size(rows: list, group_size: int, num_prompts: int) -> int:
     return max(group_size, round(float(np.mean(draws)) / num_prompts))
 
 
+def claim(cli, base_probes: dict, problems: dict) -> Claim:
+    """The claim's gate declaration: OC-GRPO above GRPO at level 3 by the paper's margin."""
+    return Claim(split=f"held-out level 3, {cli.num_eval_problems} problems a seed (the trainers' evaluation)",
+                 n=min(len({p.question for p in ps}) for ps in problems.values()), seeds=list(cli.seeds),
+                 start={s: base_probes[s]["pass_at_k"] for s in cli.seeds},
+                 start_is=f"sampled pass@{cli.probe_samples} of the base model (discovering solutions: the probe)",
+                 effect=0.039, effect_is="the paper: OC-GRPO +3.9 points over GRPO, ALGORITHMS.md 2.8",
+                 contexts_are=f"the guidance of every judged problem at each fraction of `{' '.join(CASCADE)}`")
+
+
+def guidance(problems: dict, tokenizer) -> list:
+    """(what the guided prompt adds to the plain one, the gold answer) for every judged problem and fraction."""
+    fracs = [float(f) for f in CASCADE[1:]]
+    return [(added_text(render_prompt(p, tokenizer), oc_grpo.render_guided_prompt(
+        p, tokenizer, oc_grpo.solution_prefix(p.solution, f))), p.answer)
+        for ps in problems.values() for p in ps for f in fracs]
+
+
 # --- the probe: sampled answers of the final policy on held-out level-3 problems ---------------------------------
 @torch.no_grad()
 def probe(model, base, tokenizer, problems: list, k: int, max_new_tokens: int, seed: int) -> dict:
@@ -114,7 +139,7 @@ def probe(model, base, tokenizer, problems: list, k: int, max_new_tokens: int, s
     return res
 
 
-def cached_probe(path: str, settings: dict, model_dir: str, with_kl: bool, problems: list) -> dict:
+def cached_probe(path: str, settings: dict, model_dir: str, with_kl: bool, problems: list, make: bool = True) -> dict:
     """The probe of the model in `model_dir` (with the KL to the initial model if `with_kl`), read back from `path`
     when it was made with the same settings, else measured and written there."""
     def measure():
@@ -125,7 +150,7 @@ def cached_probe(path: str, settings: dict, model_dir: str, with_kl: bool, probl
         res = probe(model, base, tokenizer, problems, settings["k"], settings["max_new_tokens"], settings["seed"])
         return {**res, "seconds": time.time() - t0}
 
-    return cached(path, settings, measure)
+    return cached(path, settings, measure, make)
 
 
 # --- summaries, verdict, report, plot ------------------------------------------------------------------------------
@@ -175,11 +200,13 @@ def verdict(res: dict, seeds: list, n: int) -> tuple[str | None, list]:
     return ("shown" if wins == total else "partly" if wins else "not shown"), lines
 
 
-def report(res: dict, cli, flags: list, base_probes: dict) -> str:
+def report(res: dict, cli, flags: list, base_probes: dict, section: list, failed: list) -> str:
     n, k = cli.num_eval_problems, cli.probe_samples
     f3 = lambda x: "n/a" if x != x else f"{x:.3f}"  # noqa: E731 - nan (no guided rows, no OC arm) -> n/a
     done = {s: all((arm, s) in res for arm in cli.arms) for s in cli.seeds}
     status, lines = verdict(res, [s for s in cli.seeds if all((a, s) in res for a in VERDICT_ARMS)], n)
+    if status is not None and failed:
+        status = f"{untestable(failed)} (the rule alone: {status})"
     run_min = sum(r["wall_s"] for r in res.values()) / 60
     probe_min = sum(r["probe"]["seconds"] for r in res.values()) / 60
     out = ["# OC-GRPO on SmolLM2-135M-Instruct (issue 38): guided rollouts past the learning cliff", "",
@@ -192,7 +219,7 @@ def report(res: dict, cli, flags: list, base_probes: dict) -> str:
            f"correction `{' '.join(CASCADE)} --correction none`; GRPO, sample-matched `--group-size G'` with G' the "
            "completions per prompt and step the OC-GRPO run of the same seed drew (G for the prompt, G more when the "
            "cascade ran on its all-fail group), rounded, and M = a multiple of G' (--share-prompt keeps a group in one "
-           "micro-batch; gradients do not depend on M).", "",
+           "micro-batch; gradients do not depend on M).", "", *section,
            "## Design", "",
            "- Premise (benchmarks/testbed_premises_smollm2.md, greedy, 40 problems a cell): level 3 is 0.000 unguided, "
            "0.825 with the whole worked solution in the prompt, 0.025 with half of it. The premise weakens with "
@@ -304,16 +331,27 @@ def main():
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "oc_grpo_smollm2.png"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "oc_grpo_smollm2"), help="run folders")
     p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")
+    p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     flags = [*RECIPE, "--total-steps", str(cli.steps), "--num-eval-problems", str(cli.num_eval_problems)]
     os.makedirs(cli.records, exist_ok=True)
-    res, base_probes, text = {}, {}, "no run finished\n"
-    for seed in cli.seeds:  # seed-major: a finished seed is a complete comparison
-        problems = [q for q in load_problems("testbed-nl", "test", LEVELS, cli.num_eval_problems, seed)
-                    if q.level == CLIFF]  # the held-out problems the trainers evaluate on (load_train_eval)
-        settings = {"k": cli.probe_samples, "max_new_tokens": 48, "seed": seed, "problems": len(problems)}
+    res, base_probes, text, cliff = {}, {}, "no run finished\n", {}
+    for seed in cli.seeds:  # the gate first: the base model's probe on each seed's level-3 problems, the guidance
+        cliff[seed] = [q for q in load_problems("testbed-nl", "test", LEVELS, cli.num_eval_problems, seed)
+                       if q.level == CLIFF]  # the held-out problems the trainers evaluate on (load_train_eval)
+        settings = {"k": cli.probe_samples, "max_new_tokens": 48, "seed": seed, "problems": len(cliff[seed])}
         base_probes[seed] = cached_probe(os.path.join(cli.records, f"base_probe_seed{seed}.json"), settings,
-                                         path_of(MODEL), False, problems)
+                                         path_of(MODEL), False, cliff[seed], make=not cli.report_only)
+    tokenizer = load_tokenizer(path_of(MODEL))
+    leaks = recorded_leakage(os.path.join(cli.records, "gate_leakage.json"), {"seeds": cli.seeds, "cascade": CASCADE,
+                             "n": cli.num_eval_problems}, lambda: guidance(cliff, tokenizer), tokenizer,
+                             records_ground(cli.records) if cli.report_only else GROUND)
+    lines, failed = gate(claim(cli, base_probes, cliff), leaks)
+    section = gate_section([(lines, failed)])
+    print("\n".join(section))
+    for seed in cli.seeds:  # seed-major: a finished seed is a complete comparison
+        problems, settings = cliff[seed], {"k": cli.probe_samples, "max_new_tokens": 48, "seed": seed,
+                                           "problems": len(cliff[seed])}
         for arm in cli.arms:
             tag, module, extra = ARMS[arm]
             group = GROUP
@@ -330,8 +368,10 @@ def main():
                                                "--run-name", f"{tag}_seed{seed}"])
             measure = lambda run_dir: {"probe": cached_probe(  # noqa: E731 - the final weights' probe
                 os.path.join(run_dir, "probe.json"), settings, os.path.join(run_dir, "checkpoint"), True, problems)}
-            res[(arm, seed)] = summarise(finished_run(module, args, cli.records, measure))
-            text = report(res, cli, flags, base_probes)
+            if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
+                continue
+            res[(arm, seed)] = summarise(finished_run(module, args, cli.records, measure, make=not cli.report_only))
+            text = report(res, cli, flags, base_probes, section, failed)
             with open(cli.out, "w") as f:
                 f.write(text)
             plot(res, cli.plot)

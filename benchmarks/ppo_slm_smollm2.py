@@ -44,6 +44,11 @@ run and before any envelope-off run was recorded):
 
 Every finished run is a record in benchmarks/runs/ppo_slm_smollm2/ (benchmarks/claim_runs.py); ppo_slm.py writes no
 checkpoints, so an interrupted run starts again. --report-only writes the report from the records.
+
+The gate (benchmarks/claim_runs.py, `claims`), once the stages are made and before any PPO run: PPO adds nothing to
+the prompt; the SFT policy's held-out greedy accuracy must leave room; and 80 prompts must be able to show the
+paper's win rate over SFT (the outcome) and a collapse to half the SFT accuracy (the envelope). The freeze and the
+bfloat16 checks are counts and maxima, not rates: no gate. A failed gate makes a verdict "untestable here".
 """
 
 import argparse
@@ -59,7 +64,7 @@ import tyro  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import ppo_slm  # noqa: E402
-from benchmarks.claim_runs import cached, finished_run, margin  # noqa: E402
+from benchmarks.claim_runs import Claim, cached, finished_run, gate, gate_section, margin, untestable  # noqa: E402
 
 MODEL, LEVEL = "smollm2-135m-instruct", 3
 NOISE_SIGMAS = 2.0
@@ -118,6 +123,19 @@ def naive_freeze(args) -> dict:
             "seconds": time.time() - t0}
 
 
+def claims(cli, sft_greedy: float) -> dict:
+    """The gate declarations of the outcome (a win rate over SFT against 0.5) and of the collapse (the envelope-off
+    run falling to half the SFT policy's accuracy)."""
+    split = f"{cli.num_eval_prompts} held-out level-{LEVEL} prompts"
+    common = dict(split=split, n=cli.num_eval_prompts, seeds=list(cli.seeds), start={s: sft_greedy for s in cli.seeds},
+                  start_is="greedy accuracy of the SFT policy (every run's start)",
+                  contexts_are="none: PPO adds nothing to the prompt; the reward model scores the samples")
+    return {"outcome": Claim(**common, effect=0.08, against=0.5, name="outcome",
+                             effect_is="the paper: win rates 0.565-0.597 over SFT for SmolLM2-360M, ALGORITHMS.md 8.7"),
+            "collapse": Claim(**common, effect=sft_greedy / 2, fall=True, name="collapse",
+                              effect_is="the collapse rule: below half the SFT policy's accuracy")}
+
+
 def steps_of(record: dict) -> list[dict]:
     return [r for r in record["rows"] if "reward/mean" in r]
 
@@ -155,6 +173,8 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
     n = cli.num_eval_prompts
     s0 = evals_of(stages)[0]
     sft_greedy = s0["eval/greedy_accuracy"]
+    gates = {name: gate(c, {"leaks": 0, "contexts": 0}) for name, c in claims(cli, sft_greedy).items()}
+    gated = lambda name, v: f"{untestable(gates[name][1])} (the rule alone: {v})" if gates[name][1] else v  # noqa: E731
     kinds = " ".join(f"{k.split('/')[-1]} {s0[k]:.3f}" for k in sorted(s0) if k.startswith("rm/pair_accuracy/"))
     lines = ["# PPO for small LMs on SmolLM2-135M-Instruct (issue 39)", "",
              f"`python benchmarks/ppo_slm_smollm2.py --steps {cli.steps} --sft-steps {cli.sft_steps} --rm-steps "
@@ -163,7 +183,7 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
              "--sft-adapter STAGES/sft_adapter --reward-model STAGES/reward_model --num-prompts 16 --minibatch-size 8 "
              f"--total-steps {cli.steps} --seed S` plus its arm's flags. Held out: {n} level-{LEVEL} prompts, one "
              f"sample each (T 0.9) for the RM score and win rates, greedy for accuracy; a rate's noise is up to "
-             f"+-{margin(0.5, 0.5, n) / 2 ** 0.5:.2f} at 0.5.", "",
+             f"+-{margin(0.5, 0.5, n) / 2 ** 0.5:.2f} at 0.5.", "", *gate_section(list(gates.values()), list(gates)),
              "## The ground", "",
              f"SFT (LoRA r 16, {cli.sft_steps} steps of 16 worked solutions) and the reward model ({cli.rm_steps} "
              f"steps of 16 pairs) from SmolLM2-135M-Instruct, seed 1, {stages['seconds'] / 60:.0f} minutes. Reward "
@@ -201,7 +221,10 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
         bad = lambda m, f: not m <= 5 or f > 0  # noqa: E731 (NaN counts as bad)
         if len(dtypes) == 2:
             shown = bad(*stats["bf16"]) and not bad(*stats["fp32"])
-            lines += ["", f"Verdict, bfloat16: {'shown' if shown else 'not shown'} (rule: module docstring)."]
+            lines += ["", "Verdict, bfloat16: untestable here: the check cannot fail on this ground. The old and the new "
+                      "log-probs of a ratio come from the same forward (the same dtype and batch size, a float32 "
+                      "log-softmax), so a ratio moves only with the update, in either dtype (issue 56; the rule "
+                      f"alone: {'shown' if shown else 'not shown'})."]
         else:
             lines += ["", f"Incomplete: only the {dtypes[0]} run is recorded; rerun the command."]
     noisy = sorted(k for k in runs if k[0].startswith("noisy"))
@@ -232,7 +255,7 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
                            "seed)")
             else:
                 verdict = "not shown"
-            lines += ["", f"Verdict, collapse (seeds {seeds}): {verdict}. " + "; ".join(
+            lines += ["", f"Verdict, collapse (seeds {seeds}): {gated('collapse', verdict)}. " + "; ".join(
                 f"seed {s}: off {fate(runs[('noisy_off', s)], col[('noisy_off', s)])}, "
                 f"on {fate(runs[('noisy_on', s)], col[('noisy_on', s)])}" for s in seeds)]
     outcome = sorted(s for a, s in runs if a == "ppo")
@@ -246,7 +269,7 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
             verifier_ok = all(win[s]["eval/win_rate_verifier"] >= 0.5 for s in outcome)
             verdict = ("shown" if all(beyond) and verifier_ok else
                        "partly shown" if all(above) or any(beyond) else "not shown")
-            lines += ["", f"Verdict, outcome: {verdict} (RM win rates " + ", ".join(
+            lines += ["", f"Verdict, outcome: {gated('outcome', verdict)} (RM win rates " + ", ".join(
                 f"{win[s]['eval/win_rate_rm']:.3f}" for s in outcome) + "; verifier " + ", ".join(
                 f"{win[s]['eval/win_rate_verifier']:.3f}" for s in outcome) + ")."]
         else:
@@ -304,7 +327,7 @@ def main():
     if (1 in cli.seeds and not cli.report_only) or os.path.exists(os.path.join(cli.records, "naive.json")):
         naive = cached(os.path.join(cli.records, "naive.json"), {"args": naive_args.run_name, "steps": cli.steps,
                                                                  "sft_steps": cli.sft_steps},
-                       lambda: naive_freeze(naive_args))
+                       lambda: naive_freeze(naive_args), make=not cli.report_only)
     for (arm, seed, _), args in zip(plan, arm_runs):
         if cli.report_only and not have(args):
             continue

@@ -14,6 +14,12 @@ Each run is rloo_sec.py's own main with the flags printed in the report (the com
 whose folder already holds a finished run with the same arguments is read back, not rerun, and an unfinished one
 continues from its last checkpoint (every 5 steps), so the benchmark goes on in a later session and seeds can be
 added: `--seeds 1 2` after `--seeds 1` runs only seed 2.
+
+Before the runs, the gate (benchmarks/claim_runs.py, `claim`): the base model's greedy accuracy on each seed's
+held-out problems (measured first, kept in benchmarks/runs/sec_smollm2/), and whether the planned problems can show
+the gain the claim needs. `--gate-only` measures it and writes its section into the existing report, running nothing
+else. The verdict: SEC above uniform on held-out greedy accuracy (all levels) beyond the noise on both seeds: shown;
+above on both inside it, or beyond on one: partly; else not shown; a failed gate: untestable here.
 """
 
 import dataclasses
@@ -32,6 +38,8 @@ import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
 import rloo_sec  # noqa: E402
+from benchmarks.claim_runs import Claim, gate, gate_section, margin, untestable, with_gate  # noqa: E402
+from benchmarks.grpo_smollm2 import start_accuracy  # noqa: E402
 from common.logger import read_metrics  # noqa: E402
 
 RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "--levels", "1", "2", "3", "4", "5",
@@ -40,6 +48,30 @@ RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "-
           "--eval-every", "0", "--save-every", "5"]
 ARMS = {"SEC (label arms)": ["--curriculum", "label"], "uniform": ["--curriculum", "uniform"]}
 LEVELS = (1, 2, 3, 4, 5)
+RECORDS = os.path.join(ROOT, "benchmarks", "runs", "sec_smollm2")
+
+
+def claim(seeds, n: int) -> Claim:
+    """The claim's gate declaration: SEC above uniform on all five levels by a few points."""
+    start = {s: start_accuracy(os.path.join(RECORDS, f"start_seed{s}.json"), LEVELS, n, s) for s in seeds}
+    return Claim(split=f"held-out levels 1-5, {n} problems a level (the trainer's evaluation)",
+                 n=min(r["distinct"] for r in start.values()), seeds=list(seeds),
+                 start={s: r["eval/greedy_accuracy"] for s, r in start.items()},
+                 start_is="greedy accuracy of the base model (both arms' start)", effect=0.05,
+                 effect_is="plausible: a few points absolute, the paper's order (ALGORITHMS.md section 3.7 holds no "
+                           "checked absolute figure)")
+
+
+def verdict(res: dict, seeds: list, n: int, failed: list) -> tuple[str, list[str]]:
+    """The rule of the module docstring on {(arm, seed): summary}; a failed gate makes it untestable."""
+    beyond, ahead, notes = [], [], []
+    for s in seeds:
+        a, b = res[("SEC (label arms)", s)]["all_after"], res[("uniform", s)]["all_after"]
+        beyond.append(a - b > margin(a, b, n))
+        ahead.append(a > b)
+        notes.append(f"seed {s}: SEC {a:.3f} against uniform {b:.3f} ({a - b:+.3f}, noise +-{margin(a, b, n):.3f})")
+    rule = "shown" if all(beyond) else "partly shown" if all(ahead) or any(beyond) else "not shown"
+    return (f"{untestable(failed)} (the rule alone: {rule})" if failed else rule), notes
 
 
 def summarise(out: dict) -> dict:
@@ -96,7 +128,7 @@ def run(args: rloo_sec.Args) -> dict:
     return rloo_sec.main(args)
 
 
-def report(res: dict, cli, flags: list) -> str:
+def report(res: dict, cli, flags: list, section: list, failed: list, n_distinct: int) -> str:
     lv = " | ".join(f"L{x}" for x in LEVELS)
     n = cli.num_eval_problems
     lines = ["# SEC on SmolLM2-135M-Instruct (rloo_sec.py, testbed-nl levels 1-5)", "",
@@ -109,8 +141,12 @@ def report(res: dict, cli, flags: list) -> str:
              f"scores 0. Noise: with {n} problems a level, a cell is +-{1.96 * (0.25 / n) ** 0.5:.2f} at p = 0.5 "
              f"(95 %), the overall figure +-{1.96 * (0.25 / (n * len(LEVELS))) ** 0.5:.2f}.", "",
              "Premise (benchmarks/testbed_premises_smollm2.md): zero-shot greedy 0.55 / 0.35 / 0.00 / 0.15 / 0.00 "
-             "on levels 1-5, so levels 3 and 5 give almost no signal to the base model.", "",
-             "## Held-out greedy accuracy per level (before -> after) and zero-advantage groups", "",
+             "on levels 1-5, so levels 3 and 5 give almost no signal to the base model.", "", *section]
+    seeds = [s for s in cli.seeds if all((arm, s) in res for arm in ARMS)]
+    if seeds == list(cli.seeds) and len(seeds) >= 2:
+        status, notes = verdict(res, seeds, n_distinct, failed)
+        lines += [f"## Verdict: {status}", "", *[f"- {x}" for x in notes], ""]
+    lines += ["## Held-out greedy accuracy per level (before -> after) and zero-advantage groups", "",
              f"| arm | seed | {lv} | all | zero-adv groups (run / 2nd half) | train acc | step min |",
              "|---|---|" + "---|" * (len(LEVELS) + 4)]
     for (arm, seed), r in res.items():
@@ -169,8 +205,19 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "sec_smollm2.md"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "sec_smollm2.png"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_smollm2"))
+    p.add_argument("--gate-only", action="store_true", help="measure the gate and write it into the existing report")
     cli = p.parse_args()
     flags = [*RECIPE, "--total-steps", str(cli.steps), "--num-eval-problems", str(cli.num_eval_problems)]
+    declared = claim(cli.seeds, cli.num_eval_problems)
+    lines, failed = gate(declared, {"leaks": 0, "contexts": 0})
+    section = gate_section([(lines, failed)])
+    print("\n".join(section))
+    if cli.gate_only:
+        with open(cli.out) as f:
+            text = with_gate(f.read(), section)
+        with open(cli.out, "w") as f:
+            f.write(text)
+        return
     res = {}
     for seed in cli.seeds:  # seed-major: a finished seed is a complete comparison
         for arm in cli.arms:
@@ -178,7 +225,7 @@ def main():
             args = tyro.cli(rloo_sec.Args, args=[*flags, *ARMS[arm], "--seed", str(seed),
                                                   "--output-dir", cli.output_dir, "--run-name", f"{tag}_seed{seed}"])
             res[(arm, seed)] = summarise(run(args))
-            text = report(res, cli, flags)
+            text = report(res, cli, flags, section, failed, declared.n)
             with open(cli.out, "w") as f:
                 f.write(text)
             plot(res, cli.plot)

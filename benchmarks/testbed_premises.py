@@ -18,9 +18,12 @@ greedy decoding on held-out problems (200 per cell), through the prompts the tra
 The second ground, a real pretrained chat model (--ground smollm2): SmolLM2-135M-Instruct on --dataset testbed-nl,
 through the same renderers and the 'nl' verifier, greedy, up to 64 new tokens, --nl-problems held-out problems a cell,
 before and (--after CHECKPOINT, e.g. a grpo.py run's checkpoint/) after RL; writes
-benchmarks/testbed_premises_smollm2.md:
+benchmarks/testbed_premises_smollm2.md, with each cell's leakage: of its problems, how many have an added context
+(guidance, knowledge points, proposals) that states the gold answer (benchmarks/claim_runs.states_answer). A premise
+measured with the answer in the context measures copying, not the method (../shared/CLAIMS.md):
 
-  guidance   (OC-GRPO) levels 3 and 5 (zero-shot about 0): a 50% solution prefix >= 0.30, the full solution >= 0.70
+  guidance   (OC-GRPO) levels 3 and 5 (zero-shot about 0): a 50% solution prefix >= 0.30, the full prefix >= 0.70
+             (oc_grpo.render_guided_prompt: on testbed-nl never past the step before the result)
   knowledge  (AdaKP) levels 2 and 4: the helpful knowledge points raise accuracy >= 0.15 over none; the distractors
              alone move it by < 0.05
   proposals  (MADA-RL) level 2, three proposals: one right raises accuracy >= 0.10 over none; three wrong keep it
@@ -185,88 +188,126 @@ def nl_accuracy(model, tok, problems, prompts, batch: int = 32) -> float:
     return sum(correct) / len(correct)
 
 
-def measure_pretrained(path: str, n: int, seed: int = 0) -> dict:
-    """The premise cells for a pretrained chat model on testbed-nl (the same renderers as the trainers)."""
+def measure_pretrained(path: str, n: int, seed: int = 0) -> tuple[dict, dict]:
+    """The premise cells for a pretrained chat model on testbed-nl (the same renderers as the trainers), and each
+    cell's leakage: {cell: problems whose added context states the answer}."""
     from common.data import load_problems
     from common.models import load_model, load_tokenizer
 
     tok, model = load_tokenizer(path), load_model(path).eval()
     test = {lv: load_problems("testbed-nl", "test", (lv,), n, seed) for lv in (1, 2, 3, 4, 5)}
-    acc = lambda lv, render: nl_accuracy(model, tok, test[lv], [render(p) for p in test[lv]])  # noqa: E731
-    m, t0 = {}, time.time()
+    m, leaks, t0 = {}, {}, time.time()
+
+    def cell(name: str, lv: int, render) -> None:
+        prompts = [render(p) for p in test[lv]]
+        m[name], leaks[name] = nl_accuracy(model, tok, test[lv], prompts), leaked(test[lv], prompts, tok)
+
     for lv in test:
-        m[f"L{lv}"] = acc(lv, lambda p: render_prompt(p, tok))
+        cell(f"L{lv}", lv, lambda p: render_prompt(p, tok))
     for lv in NL_GUIDED:
         for frac in (0.5, 1.0):
-            m[f"L{lv}, {frac:.0%} solution prefix"] = acc(
-                lv, lambda p: render_guided_prompt(p, tok, solution_prefix(p.solution, frac)))  # noqa: B023
+            cell(f"L{lv}, {frac:.0%} solution prefix", lv,
+                 lambda p: render_guided_prompt(p, tok, solution_prefix(p.solution, frac)))  # noqa: B023
     for lv in NL_KP:
-        m[f"L{lv}, helpful hints"] = acc(lv, lambda p: hinted_prompt(p, tok, True))
-        m[f"L{lv}, distractor hints"] = acc(lv, lambda p: hinted_prompt(p, tok, False))
+        cell(f"L{lv}, helpful hints", lv, lambda p: hinted_prompt(p, tok, True))
+        cell(f"L{lv}, distractor hints", lv, lambda p: hinted_prompt(p, tok, False))
     for lv in NL_PROPOSALS:
-        m.update(proposal_cells(model, tok, test[lv], lv, seed))
+        m.update(proposal_cells(model, tok, test[lv], lv, seed, leaks))
     m["s: all cells"] = round(time.time() - t0)
-    return m
+    return m, {**leaks, "problems": {f"L{lv}": len(test[lv]) for lv in test}}
 
 
-def proposal_cells(model, tok, problems: list, lv: int, seed: int = 0) -> dict:
+def leaked(problems: list, prompts: list, tok) -> int:
+    """How many of the prompts add to the plain one a context that states the problem's gold answer."""
+    from benchmarks.claim_runs import added_text, states_answer
+
+    return sum(states_answer(added_text(render_prompt(p, tok), x), p.answer, tok) for p, x in zip(problems, prompts))
+
+
+def proposal_cells(model, tok, problems: list, lv: int, seed: int = 0, leaks: dict | None = None) -> dict:
     """MADA-RL's critic premise on level `lv`'s `problems`: greedy accuracy with 1 and with 0 of 3 proposals right,
-    shown as bare answers and as worked responses (critic_prompt)."""
+    shown as bare answers and as worked responses (critic_prompt); each cell's leakage into `leaks` if given."""
     rng, m = random.Random(seed), {}
     for shown, responses in (("proposals", False), ("responses", True)):
         for right in (1, 0):
-            m[f"L{lv}, {right} of 3 {shown} right"] = nl_accuracy(
-                model, tok, problems, [critic_prompt(p, tok, right, rng, responses) for p in problems])
+            prompts, name = [critic_prompt(p, tok, right, rng, responses) for p in problems], \
+                f"L{lv}, {right} of 3 {shown} right"
+            m[name] = nl_accuracy(model, tok, problems, prompts)
+            if leaks is not None:
+                leaks[name] = leaked(problems, prompts, tok)
     return m
 
 
-def premises_pretrained(m: dict) -> list[tuple[str, str, bool]]:
+def premises_pretrained(m: dict) -> list[tuple[str, str, bool, str]]:
+    """(premise, figures, holds, the cell with the context) for each premise."""
     rows = []
     for lv in NL_GUIDED:
         for frac, need in ((0.5, 0.30), (1.0, 0.70)):
-            v = m[f"L{lv}, {frac:.0%} solution prefix"]
+            key = f"L{lv}, {frac:.0%} solution prefix"
             rows.append((f"guidance: L{lv} with a {frac:.0%} solution prefix >= {need:.2f} (none: L{lv})",
-                         f"{v:.3f} (none {m[f'L{lv}']:.3f})", v >= need))
+                         f"{m[key]:.3f} (none {m[f'L{lv}']:.3f})", m[key] >= need, key))
     for lv in NL_KP:
         h, d, none = m[f"L{lv}, helpful hints"], m[f"L{lv}, distractor hints"], m[f"L{lv}"]
-        rows.append((f"knowledge: L{lv} helpful hints - none >= 0.15", f"{h:.3f} - {none:.3f}", h - none >= 0.15))
-        rows.append((f"knowledge: L{lv} abs(distractors - none) < 0.05", f"{d:.3f} - {none:.3f}", abs(d - none) < 0.05))
+        rows.append((f"knowledge: L{lv} helpful hints - none >= 0.15", f"{h:.3f} - {none:.3f}", h - none >= 0.15,
+                     f"L{lv}, helpful hints"))
+        rows.append((f"knowledge: L{lv} abs(distractors - none) < 0.05", f"{d:.3f} - {none:.3f}", abs(d - none) < 0.05,
+                     f"L{lv}, distractor hints"))
     for lv in NL_PROPOSALS:
         rows += proposal_premises(m, lv)
     return rows
 
 
-def proposal_premises(m: dict, lv: int) -> list[tuple[str, str, bool]]:
+def proposal_premises(m: dict, lv: int) -> list[tuple[str, str, bool, str]]:
     rows, none = [], m[f"L{lv}"]
     for shown in ("proposals", "responses"):
-        one, zero = m[f"L{lv}, 1 of 3 {shown} right"], m[f"L{lv}, 0 of 3 {shown} right"]
-        rows.append((f"{shown}: L{lv} 1 of 3 right - none >= 0.10", f"{one:.3f} - {none:.3f}", one - none >= 0.10))
-        rows.append((f"{shown}: L{lv} 0 of 3 right >= none / 2", f"{zero:.3f} vs {none:.3f}", zero >= none / 2))
+        one, zero = f"L{lv}, 1 of 3 {shown} right", f"L{lv}, 0 of 3 {shown} right"
+        rows.append((f"{shown}: L{lv} 1 of 3 right - none >= 0.10", f"{m[one]:.3f} - {none:.3f}",
+                     m[one] - none >= 0.10, one))
+        rows.append((f"{shown}: L{lv} 0 of 3 right >= none / 2", f"{m[zero]:.3f} vs {none:.3f}", m[zero] >= none / 2,
+                     zero))
     return rows
 
 
 def main_pretrained(a) -> None:
+    from benchmarks.claim_runs import cached
     from grounds.pretrained import ensure_pretrained_model
 
     models = {"SmolLM2-135M-Instruct": ensure_pretrained_model("smollm2-135m-instruct")}
     if a.after:
         models[f"after RL ({a.after})"] = a.after
-    results = {name: measure_pretrained(path, a.nl_problems) for name, path in models.items()}
-    rows = {name: premises_pretrained(m) for name, m in results.items()}
+    records = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs", "testbed_premises_smollm2")
+    results = {}
+    for (name, path), key in zip(models.items(), ("base", "after")):  # a column kept: measured once a version
+        measure = lambda path=path: dict(zip(("cells", "leaks"), measure_pretrained(path, a.nl_problems)))  # noqa: E731
+        results[name] = cached(os.path.join(records, f"{key}.json"), {"model": path, "n": a.nl_problems}, measure)
+    leaks = results[next(iter(models))]["leaks"]  # the contexts do not depend on the model
+    rows = {name: premises_pretrained(r["cells"]) for name, r in results.items()}
     verdict = lambda p: "pass" if p else "**fail**"  # noqa: E731
+    leak = lambda key: f"{leaks[key]} of {leaks['problems'][key.split(',')[0]]}"  # noqa: E731
     cols = list(models)
     lines = ["# Premises on a real pretrained model: SmolLM2-135M-Instruct on testbed-nl", "",
              f"`python benchmarks/testbed_premises.py --ground smollm2 --nl-problems {a.nl_problems}"
              + (f" --after {a.after}`" if a.after else "`") + f" (greedy, up to 64 new tokens, {a.nl_problems} "
-             "held-out problems a cell, the trainers' renderers and the 'nl' verifier; a cut reply scores 0). "
-             "Measured on a 2-core CPU; the figures, not the thresholds, decide what the papers' benchmarks can show.",
-             "", "| premise | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for i, (name, _, _) in enumerate(rows[cols[0]]):
-        lines.append(f"| {name} | " + " | ".join(f"{rows[c][i][1]} {verdict(rows[c][i][2])}" for c in cols) + " |")
-    lines += ["", "| measurement | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for k in results[cols[0]]:
-        lines.append(f"| {k} | " + " | ".join(f"{results[c][k]:.3f}" if isinstance(results[c][k], float)
-                                             else str(results[c][k]) for c in cols) + " |")
+             "held-out problems a cell, fewer where a level has fewer (level 1: 20 sums), the trainers' renderers and "
+             "the 'nl' verifier; a cut reply scores 0), testbed-nl version "
+             f"{results[cols[0]]['ground']}, {time.strftime('%Y-%m-%d')}. Measured on a 2-core CPU; the figures, not "
+             "the thresholds, decide what the papers' benchmarks can show. Leakage: of a cell's problems, those whose "
+             "added context (guidance, knowledge points, proposals) states the gold answer as tokens "
+             "(benchmarks/claim_runs.states_answer); a premise measured with the answer in its context measures "
+             "copying. A proposal cell with one right proposal states it by design: the premise is whether the critic "
+             "picks it out of three.", "",
+             "| premise | leakage | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for i, (name, _, _, key) in enumerate(rows[cols[0]]):
+        lines.append(f"| {name} | {leak(key)} | " + " | ".join(f"{rows[c][i][1]} {verdict(rows[c][i][2])}"
+                                                              for c in cols) + " |")
+    if not a.after:
+        lines += ["", "After RL: not measured in this run (--after CHECKPOINT: the 30-step GRPO start of "
+                  "benchmarks/grpo_smollm2.py's start_args, which this checkout does not hold)."]
+    lines += ["", "| measurement | leakage | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for k in results[cols[0]]["cells"]:
+        lines.append(f"| {k} | {leak(k) if k in leaks else ''} | " + " | ".join(
+            f"{results[c]['cells'][k]:.3f}" if isinstance(results[c]["cells"][k], float)
+            else str(results[c]["cells"][k]) for c in cols) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed_premises_smollm2.md"),

@@ -10,12 +10,13 @@ Five levels, built locally and offline, each problem with a step-by-step referen
     5  Tom has 47 apples. He buys 35 more and then gives 18    a two-step word problem
        away. How many apples does he have now?
 
-The reference solution (OC-GRPO's guidance) works it out in sentences and ends with the answer line the prompt asks
-for, e.g. level 2: "Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82."
-The knowledge points (AdaKP's hints) are facts in words: helpful ones are sentences of the solution (its sums, and
-for word problems the rule "Buying more means adding."), distractors are true facts of the same kind that the
-solution does not use. The train/test split is disjoint by the arithmetic (the numbers and operations, whatever
-the names and objects), a fixed quarter held out by common.testbed.is_heldout.
+The reference solution works it out in sentences and ends with the answer line the prompt asks for, e.g. level 2:
+"Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82." OC-GRPO's guidance is
+its steps before the one that states the result (oc_grpo.render_guided_prompt). The knowledge points (AdaKP's hints)
+teach without stating the result: helpful ones are the operation's rule or a partial sum that is not the answer,
+distractors true facts of the same kind that the solution does not use. The train/test split is disjoint by the
+arithmetic (the numbers and operations, whatever the names and objects), a fixed quarter held out by
+common.testbed.is_heldout.
 
 Answers are checked by common.verifiers (task 'nl'): the last \\boxed{} if there is one, else the number after the
 last "answer is", else the last number of the reply; format_reward asks for a reply that ends with "The answer is N."
@@ -24,10 +25,13 @@ last "answer is", else the last number of the reply; format_reward asks for a re
 from __future__ import annotations
 
 import random
+import re
 
 from common.testbed import Problem, is_heldout
 
 NL_LEVELS = (1, 2, 3, 4, 5)
+VERSION = 2
+"""in claim records (benchmarks/claim_runs.py). 1: knowledge points stated answers, held-out sums came twice. 2: not"""
 NL_INSTRUCTION = 'First write the sum with its result. Then end with "The answer is" and that number.'
 """The answer-format instruction common.data.render_prompt puts after every testbed-nl question (chosen on measured
 zero-shot replies of SmolLM2-135M-Instruct: benchmarks/smollm2_zero_shot.md)."""
@@ -52,12 +56,24 @@ def _sum_steps(a: int, b: int) -> list[str]:
             f"Then {tens} + {ones} = {a + b}."]
 
 
+def _knowledge(level: int, terms: list, steps: list, moves: list) -> list[str]:
+    """Knowledge points that teach without stating the result, most telling first: the operation's rule or a partial
+    sum (`moves`: a word problem's (start, rule, sign, n) a change). Level 1 has one, as in VERSION 1."""
+    if level == 1:
+        return [f"To add {min(terms)}, count on {min(terms)} from {max(terms)}."]
+    if level == 2:
+        return [*steps[:2], "Add the tens, then the ones, then put the two sums together."]
+    if level == 3:
+        return [steps[0].removeprefix("First "), "Add the first two numbers, then add the third to their sum."]
+    (start, rule, sign, n), tens = moves[0], moves[0][3] // 10 * 10  # a change's tens first: a partial result
+    return [rule, f"{start} {'+' if sign > 0 else '-'} {tens} = {start + sign * tens}.",
+            f"{'Add' if sign > 0 else 'Take away'} the tens first, then the ones."] if level == 4 else \
+        [steps[1], moves[1][1], rule]  # level 5: the first change's result, the second change's rule, the first's
+
+
 def _fact(rng: random.Random, digits: int) -> str:
     """A true sum of the same shape as the solution's (a distractor when the solution does not use it)."""
-    if digits == 1:
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-    else:
-        a, b = rng.randint(1, 9) * 10, rng.randint(1, 9) * 10
+    a, b = (rng.randint(1, 9), rng.randint(1, 9)) if digits == 1 else (rng.randint(1, 9) * 10, rng.randint(1, 9) * 10)
     return f"{a} + {b} = {a + b}."
 
 
@@ -79,47 +95,49 @@ def make_nl_problem(level: int, rng: random.Random) -> Problem:
                      f"Then {terms[0] + terms[1]} + {terms[2]} = {sum(terms)}."]
         else:
             steps = _sum_steps(*terms)
-        total, key = sum(terms), "+".join(map(str, terms))
-        rules_used = []
+        total, key, moves = sum(terms), "+".join(map(str, terms)), []
     else:
         (name, pronoun), things = rng.choice(NAMES), rng.choice(THINGS)
         events = rng.sample(sorted(EVENTS), 2 if level == 5 else 1)
         start = rng.randint(20, 99)
-        total, key, clauses, steps, rules_used = start, str(start), [], [], []
+        total, key, clauses, steps, moves = start, str(start), [], [], []
         for event in events:
             phrase, rule, sign = EVENTS[event]
             n = rng.randint(10, 99) if sign > 0 else rng.randint(10, max(10, total - 10))
             clauses.append(phrase.format(n=n))
             new = total + sign * n
             steps += [rule, f"{total} {'+' if sign > 0 else '-'} {n} = {new}."]
-            rules_used.append(rule)
+            moves.append((total, rule, sign, n))
             total, key = new, key + f"{'+' if sign > 0 else '-'}{n}"
         question = (f"{name} has {start} {things}. {pronoun.capitalize()} {' and then '.join(clauses)}. "
                     f"How many {things} does {pronoun} have now?")
-    solution = " ".join(steps + [f"The answer is {total}."])
-    helpful = [s.split(": ")[-1].removeprefix("Then ").removeprefix("First ") for s in steps][-2:]  # the late steps
-    distractors = []
-    if rules_used:  # word problems: a rule the solution does not use
-        distractors = [rng.choice([r for _, r, _ in EVENTS.values() if r not in rules_used])]
+    solution, answer = " ".join(steps + [f"The answer is {total}."]), str(total)
+    states = lambda text: answer in re.findall(r"\d+", text)  # noqa: E731 - as a whole number
+    helpful = [k for k in _knowledge(level, terms if level <= 3 else [], steps, moves) if not states(k)][:2]
+    # word problems: a rule the solution does not use; then facts (these draws as in VERSION 1: the same problems)
+    distractors = [rng.choice([r for _, r, _ in EVENTS.values() if r not in [m[1] for m in moves]])] if moves else []
     while len(distractors) < 2:
         fact = _fact(rng, 1 if level == 1 else 2)
         if fact not in solution and fact not in distractors:
             distractors.append(fact)
+    spare = random.Random(f"{level}-{solution}")  # a distractor that states the answer is drawn again, from here
+    for i, d in enumerate(distractors):
+        while states(d) or d in solution or d in distractors[:i] + helpful:
+            d = distractors[i] = _fact(spare, 1 if level == 1 else 2)
     hints = [(h, True) for h in helpful] + [(d, False) for d in distractors]
     rng.shuffle(hints)
-    return Problem(question=question, answer=str(total), level=level, solution=solution,
+    return Problem(question=question, answer=answer, level=level, solution=solution,
                    hints=[h for h, _ in hints], hint_helpful=[u for _, u in hints], task="nl", uid=f"nl-L{level}:{key}")
 
 
 def split_key(problem: Problem) -> str:
-    """What decides a problem's split: its arithmetic ('47+35', '47+35-18'), so that a held-out sum is held out at
-    every level and under every name."""
+    """What decides a problem's split: its arithmetic ('47+35', '47+35-18'), held out at every level, under any name."""
     return problem.uid.split(":", 1)[1]
 
 
 def make_nl_suite(split: str, levels=NL_LEVELS, n_per_level: int = 500, seed: int = 0) -> list[Problem]:
-    """`n_per_level` problems per level from the `split` ('train' or 'test') side of the fixed split, deterministic
-    in its arguments. A level with fewer distinct problems than asked for (level 1 has 81 sums) repeats them."""
+    """`n_per_level` problems per level from the `split` ('train' or 'test') side of the fixed split, deterministic in
+    its arguments. A level with fewer (level 1: 81 sums, 20 held out) repeats training ones, never held-out ones."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     problems = []
@@ -133,7 +151,9 @@ def make_nl_suite(split: str, levels=NL_LEVELS, n_per_level: int = 500, seed: in
             tries += 1
             if is_heldout(split_key(p)) != (split == "test"):
                 continue
-            if p.question in seen and tries < 20 * n_per_level:
+            if split == "test" and tries > 20 * n_per_level:
+                break
+            if p.question in seen and (tries < 20 * n_per_level or split == "test"):
                 continue
             seen.add(p.question)
             problems.append(p)

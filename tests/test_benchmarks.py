@@ -7,6 +7,8 @@ import json
 import os
 import types
 
+import pytest
+
 import oc_grpo
 from benchmarks import claim_runs
 from benchmarks import oc_grpo_smollm2 as bench
@@ -176,7 +178,7 @@ def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
 
 
 def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics():
-    from benchmarks.mada_smollm2 import arm_lines
+    from benchmarks.mada_smollm2 import arm_lines as lines_of
 
     def rec(debate, vote, untrained=0.3, generators=0.3):
         ev = lambda d, single=0.3: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
@@ -186,6 +188,8 @@ def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics()
                 "seconds": 60.0}
 
     cli = types.SimpleNamespace(num_eval_problems=40, agent_steps=10, seeds=[1, 2])
+    passed = {"debate": ([], []), "critic": ([], [])}  # the gates' (lines, failed)
+    arm_lines = lambda runs, cli, gates=passed: lines_of(runs, cli, gates)  # noqa: E731
     text = "\n".join(arm_lines({(a, s): rec(0.8 if a == "counterfactual" else 0.4, 0.3)
                                 for a in ("counterfactual", "plain") for s in (1, 2)}, cli))
     assert "## Verdict, debate: shown" in text and "## Verdict, critic: shown" in text
@@ -198,6 +202,10 @@ def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics()
     assert "## Verdict, debate: premise fails (Stage 1 left the generators below the base model alone on seed 2; " \
            "the rule alone would say: shown)" in text
     assert "## Verdict, critic: shown" in text  # both critic arms read the same generators: still compared
+    weak = {"debate": ([], ["power, detectable 0.206 > needed 0.020"]), "critic": ([], [])}
+    text = "\n".join(arm_lines(broken, cli, weak))  # a failed gate says so first; the premise's failure is noted
+    assert "## Verdict, debate: untestable here: power, detectable 0.206 > needed 0.020 (the rule alone: shown)" in text
+    assert "Stage 1 also left the generators below the base model alone on seed 2 (premise fails)" in text
     half = {k: v for k, v in {(a, s): rec(0.8, 0.3) for a in ("counterfactual", "plain") for s in (1, 2)}.items()
             if k != ("plain", 2)}
     assert "Incomplete: seeds finished [1] of [1, 2]" in "\n".join(arm_lines(half, cli))
@@ -280,3 +288,75 @@ def test_a_report_from_the_records_never_runs(tmp_path):
     claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))  # made and recorded
     assert claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), make=False)["rows"]
     assert calls == [""]  # once, by the call allowed to run
+
+
+# --- the gate before a claim run (claim_runs.Claim, gate) ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_dir):
+    from common.models import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+def clean_claim(**changed) -> claim_runs.Claim:
+    return claim_runs.Claim(**{"split": "held-out level 2", "n": 400, "seeds": [1, 2], "start": {1: 0.40, 2: 0.35},
+                               "start_is": "greedy accuracy", "effect": 0.10, "effect_is": "plausible", **changed})
+
+
+def test_the_answer_is_found_as_a_whole_number_of_tokens_never_inside_another(smollm2_tok):
+    said = lambda text, answer="68": claim_runs.states_answer(text, answer, smollm2_tok)  # noqa: E731
+    assert said("79 - 11 = 68.") and said("The answer is 68") and said("68 apples") and said("(68)")
+    assert not said("79 - 11 = 168.") and not said("681 + 2") and not said("6.8 or 0.68") and not said("1,068")
+    assert not said("Add the tens: 70 + 10 = 80.") and said("so 8 + 0 = 8.", "8") and not said("18 + 0", "8")
+
+
+def test_the_gate_passes_a_clean_claim(smollm2_tok):
+    leaks = claim_runs.leakage([("Add the tens: 70 + 10 = 80.", "86"), ("Buying more means adding.", "86")],
+                               smollm2_tok)
+    lines, failed = claim_runs.gate(clean_claim(), leaks)
+    assert failed == [] and len(lines) == 3 and all(line.endswith(": pass") for line in lines)
+    assert [line.split(":")[0] for line in lines] == ["- leakage", "- headroom", "- power"]
+
+
+def test_the_gate_fails_a_leaking_hint(smollm2_tok):
+    leaks = claim_runs.leakage([("79 - 11 = 68.", "68"), ("Buying more means adding.", "68")], smollm2_tok)
+    _, failed = claim_runs.gate(clean_claim(), leaks)
+    assert failed == ["leakage, 1 of 2 added contexts state the answer"]
+    assert claim_runs.untestable(failed) == "untestable here: leakage, 1 of 2 added contexts state the answer"
+
+
+def test_the_gate_fails_a_control_at_the_floor_or_the_ceiling():
+    none = {"leaks": 0, "contexts": 0}
+    for start in ({1: 0.0, 2: 0.025}, {1: 0.5, 2: 0.95}):
+        _, failed = claim_runs.gate(clean_claim(start=start), none)
+        assert [f.split(",")[0] for f in failed] == ["headroom"], failed
+
+
+def test_the_gate_fails_a_powerless_n_or_a_single_seed():
+    none = {"leaks": 0, "contexts": 0}
+    _, failed = claim_runs.gate(clean_claim(n=40), none)  # 40 problems detect 0.22 from 0.375, not 0.10
+    assert failed == ["power, detectable 0.220 > needed 0.100"]
+    assert claim_runs.gate(clean_claim(seeds=[1]), none)[1] == ["power, 1 seed"]
+    # a fall from the start (a collapse) and a rate against a fixed 0.5 are measured the same way
+    assert claim_runs.gate(clean_claim(n=80, start={1: 0.76, 2: 0.76}, effect=0.38, fall=True), none)[1] == []
+    assert claim_runs.gate(clean_claim(n=80, effect=0.08, against=0.5), none)[1] == [
+        "power, detectable 0.110 > needed 0.080"]
+
+
+def test_a_record_of_another_testbed_nl_version_is_reported_but_never_reused_for_a_run(tmp_path):
+    args, calls = args_in(tmp_path), []
+    rec = claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))
+    assert rec["ground"] == claim_runs.GROUND and calls == [""]
+    path = tmp_path / "rec" / "r.json"
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "ground"}  # a record made before versions
+    path.write_text(json.dumps(old))
+    assert claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), make=False) == old
+    assert claim_runs.records_ground(str(tmp_path / "rec")) == 1
+    claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"))  # run again: its folder is recorded
+    assert json.loads(path.read_text())["ground"] == claim_runs.GROUND
+    measured = []
+    cell = tmp_path / "cell.json"
+    cell.write_text(json.dumps({"x": 1, "settings": {"n": 4}}))  # a measurement of version 1
+    assert claim_runs.cached(str(cell), {"n": 4}, lambda: measured.append(1) or {"x": 2}, make=False)["x"] == 1
+    assert claim_runs.cached(str(cell), {"n": 4}, lambda: measured.append(1) or {"x": 2})["x"] == 2
+    assert measured == [1]

@@ -229,6 +229,8 @@ def test_testbed_nl_is_deterministic_with_disjoint_splits_and_graded_levels():
     assert {p.question for p in train}.isdisjoint(p.question for p in test)
     assert [sum(p.level == lv for p in train) for lv in (1, 2, 3, 4, 5)] == [200] * 5
     assert len({p.question for p in test if p.level == 1}) < 30 < len({p.question for p in test if p.level == 2})
+    assert len({p.question for p in test}) == len(test)  # held out: each problem once (level 1 has about 20 sums)
+    assert [sum(p.level == lv for p in test) for lv in (2, 3, 4, 5)] == [200] * 4
     assert load_problems("testbed-nl", "train", (2,), 5, seed=1)[0].question != train[200].question
     by_level = {lv: [p for p in train if p.level == lv] for lv in (1, 2, 3, 4, 5)}
     assert all(p.question.count("+") == 1 and int(p.answer) <= 18 for p in by_level[1])
@@ -240,8 +242,10 @@ def test_testbed_nl_is_deterministic_with_disjoint_splits_and_graded_levels():
         load_problems("testbed-nl", "train", (6,), 1)
 
 
-def test_testbed_nl_solutions_compute_the_answer_and_hints_are_flagged_by_use():
+def test_testbed_nl_solutions_compute_the_answer_and_knowledge_points_teach_without_the_answer():
     import re
+
+    states = lambda text, answer: answer in re.findall(r"\d+", text)  # noqa: E731 - as a whole number
 
     for p in load_problems("testbed-nl", "train", (1, 2, 3, 4, 5), 100):
         assert p.task == "nl" and p.solution.endswith(f"The answer is {p.answer}.")
@@ -249,17 +253,21 @@ def test_testbed_nl_solutions_compute_the_answer_and_hints_are_flagged_by_use():
             assert int(a) + (1 if op == "+" else -1) * int(b) == int(c)
         assert len(p.hints) == len(p.hint_helpful) and 1 <= sum(p.hint_helpful) and p.hint_helpful.count(False) == 2
         for hint, helpful in zip(p.hints, p.hint_helpful):
-            assert (hint in p.solution) == helpful, (hint, p.solution)
+            assert not states(hint, p.answer), (hint, p.answer)  # no knowledge point hands over the answer
             facts = re.findall(r"(\d+) ([+-]) (\d+) = (\d+)", hint)
             assert all(int(a) + (1 if op == "+" else -1) * int(b) == int(c) for a, op, b, c in facts)  # true facts
+            if helpful:  # the operation's rule, or a partial sum: a step of the solution, or one from the question
+                assert not facts or hint in p.solution or facts[0][0] in p.question, (hint, p.solution)
+
 
 
 def test_testbed_nl_prompts_ask_for_the_answer_line_in_every_trainer_renderer(smollm2_dir):
+    from benchmarks.claim_runs import added_text, states_answer
     from common.models import load_tokenizer
     from common.testbed_nl import NL_INSTRUCTION
     from grounds import path_of
     from mada_rl import render_critic_prompt
-    from oc_grpo import render_guided_prompt, solution_prefix
+    from oc_grpo import before_result, render_guided_prompt, solution_prefix
 
     tok = load_tokenizer(path_of("smollm2-135m-instruct"), "")
     p = load_problems("testbed-nl", "test", (4,), 1)[0]
@@ -272,5 +280,11 @@ def test_testbed_nl_prompts_ask_for_the_answer_line_in_every_trainer_renderer(sm
     for text in (hinted, guided, critic):
         assert p.question in text and text.count(NL_INSTRUCTION) == 1 and "boxed" not in text
     assert all(h in hinted for h in p.hints)
-    assert "Partial reference solution: " + solution_prefix(p.solution, 0.5) in guided
+    label = "First steps of a solution, without its final result: "  # testbed-nl: never past the step before it
+    assert label + solution_prefix(p.solution, 0.5) in guided or label + before_result(p.solution, p.answer) in guided
+    for q in load_problems("testbed-nl", "test", (1, 2, 3, 4, 5), 10):  # no fraction of the guidance states it
+        for f in (0.3, 0.6, 1.0):
+            added = added_text(render_prompt(q, tok), render_guided_prompt(q, tok, solution_prefix(q.solution, f)))
+            assert not states_answer(added, q.answer, tok), (added, q.answer)
+            assert added == "" or added.startswith("\n\nFirst steps of a solution, without its final result: ")
     assert "- 82\n- 64\n" in critic
