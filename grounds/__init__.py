@@ -4,17 +4,16 @@
     smollm2-135m-instruct          SmolLM2-135M-Instruct, converted from a pip package's GGUF file (pretrained.py)
     testbed-code                   rlpf.py's tiny code policy (code_model.py)
 
-A trainer turns `--model-name` into something `common.models` can load with one line,
-`model_path = path_of(args.model_name)`: an embedded name becomes its cached folder (built on first use, under
-grounds/cache.py's lock); a hub id or a folder passes through unchanged. Nothing in common/ imports this package:
-the builders may use common/'s sampler and log-prob kernel to measure what they build, and common/ only ever loads
-folders and hub ids.
+A trainer imports this package only when `--model-name` is one of these names (common.models.EMBEDDED_NAMES), and
+turns it into a folder with `grounds.path_of(name)` (built on first use, under grounds/cache.py's lock): a fork that
+copies a trainer and common/ alone runs on hub ids and local folders without grounds/. Nothing in common/ imports
+this package: the builders may use common/'s sampler and log-prob kernel to measure what they build, and common/
+only ever loads folders and hub ids.
 """
 
 from grounds.pretrained import PRETRAINED_MODELS, ensure_pretrained_model
-from grounds.testbed_models import TESTBED_MODELS, ensure_testbed_model
+from grounds.testbed_models import CODE_MODEL, TESTBED_MODELS, ensure_testbed_model
 
-CODE_MODEL = "testbed-code"
 EMBEDDED_MODELS = (*TESTBED_MODELS, *PRETRAINED_MODELS, CODE_MODEL)
 
 
@@ -26,7 +25,7 @@ def path_of(name: str) -> str:
         return ensure_testbed_model(name)
     if name in PRETRAINED_MODELS:
         return ensure_pretrained_model(name)
-    if name == CODE_MODEL:  # imported here: only rlpf.py uses it, and it needs rlpf's code_env/
+    if name == CODE_MODEL:  # imported only now: only rlpf.py uses it, and it needs rlpf's code_env/
         from grounds.code_model import ensure_code_model
 
         return ensure_code_model()

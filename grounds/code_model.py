@@ -15,9 +15,8 @@ import torch
 from tqdm import tqdm
 
 from code_env.tasks import TASKS, CodeTask, render_code_prompt
-from grounds import CODE_MODEL
 from grounds.cache import build_once, cache_root
-from grounds.testbed_models import build_tokenizer
+from grounds.testbed_models import CODE_MODEL, build_tokenizer, supervised_step
 
 
 CODE_RECIPE = dict(hidden=128, layers=4, heads=4, intermediate=512, sft_steps=150, lr=3e-3, batch=32, v=1,
@@ -79,22 +78,8 @@ def _build_code_model(tmp: str, progress: bool) -> None:
     t0 = time.time()
     for _ in tqdm(range(steps), desc=f"warm-starting {CODE_MODEL}", disable=not progress, leave=False):
         batch = [rng.choice(tasks) for _ in range(r["batch"])]
-        prompts = tok([render_code_prompt(t) for t in batch], add_special_tokens=False)["input_ids"]
-        comps = tok([sft_program(rng, t) for t in batch], add_special_tokens=False)["input_ids"]
-        seqs = [a + b + [tok.eos_token_id] for a, b in zip(prompts, comps)]
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), tok.pad_token_id)
-        labels = torch.full((len(seqs), width), -100)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, (s, a) in enumerate(zip(seqs, prompts)):
-            ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
-            labels[i, len(a) : len(s)] = torch.tensor(s[len(a) :])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = supervised_step(model, tok, [render_code_prompt(t) for t in batch], [sft_program(rng, t) for t in batch],
+                               opt, sched)
     model.eval()
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

@@ -23,6 +23,8 @@ from common.testbed import BOS_CHAT, EOS, PAD, Problem, is_calibration, make_sui
 from grounds.cache import build_once, cache_root
 
 TESTBED_MODELS = ("testbed-weak", "testbed-strong")
+CODE_MODEL = "testbed-code"
+"""rlpf.py's code policy: the testbed models' tokenizer and shape, warm-started on programs (grounds/code_model.py)"""
 
 # ----------------------------------------------------------------------------------------
 
@@ -118,6 +120,30 @@ def sft_example(rng: random.Random, problems: list[Problem], weights: list[float
     return prompt, p.answer
 
 
+def supervised_step(model, tokenizer, prompts: list[str], completions: list[str], opt, sched) -> torch.Tensor:
+    """One supervised step of a warm start (the testbed models' and grounds/code_model.py's): rows [prompt | completion
+    eos], right-padded (positions start at 0), the loss on the completion and its eos only, gradients clipped to norm
+    1, then the optimizer and schedule step. Returns the loss."""
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    comp_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    seqs = [a + b + [tokenizer.eos_token_id] for a, b in zip(prompt_ids, comp_ids)]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    labels = torch.full((len(seqs), width), -100)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, a) in enumerate(zip(seqs, prompt_ids)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        labels[i, len(a) : len(s)] = torch.tensor(s[len(a) :])
+    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss
+
+
 def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int = 4) -> float:
     """Fraction of problems whose greedy completion of the plain prompt is exactly the answer."""
     ids = tokenizer([render_testbed_prompt(p.question) for p in problems], add_special_tokens=False)["input_ids"]
@@ -178,30 +204,13 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    eos = tokenizer.eos_token_id
     t0 = time.time()
     bar = tqdm(total=next_check(name, 0), desc=f"warm-starting {name} (stops when calibrated, usually by step "
                f"~{TYPICAL.get(name, {}).get('steps', r['sft_steps'])})", disable=not progress, leave=False)
     for step in range(1, r["max_steps"] + 1):
         model.train()
         pairs = [sft_example(rng, problems, weights, r.get("guided", SFT_GUIDED_FRACTION)) for _ in range(r["batch"])]
-        prompt_ids = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-        comp_ids = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-        seqs = [a + b + [eos] for a, b in zip(prompt_ids, comp_ids)]
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
-        labels = torch.full((len(seqs), width), -100)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, (s, a) in enumerate(zip(seqs, prompt_ids)):  # right padding: positions start at 0
-            ids[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-            labels[i, len(a) : len(s)] = torch.tensor(s[len(a) :])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = supervised_step(model, tokenizer, [p for p, _ in pairs], [c for _, c in pairs], opt, sched)
         bar.update()
         if step >= r["sft_steps"] and (step - r["sft_steps"]) % r["check_every"] == 0:
             model.eval()
