@@ -1,6 +1,6 @@
 """AdaKP: adaptive knowledge-point selection by an entropy proxy, re-chosen online during RL (docs/adakp.md).
 
-The AdaKP paper is not public; this follows the proposed design of ALGORITHMS.md section 4.3, built on KnowRL
+The AdaKP paper is not public; this follows the design in docs/adakp.md (inferred, not from a paper), on KnowRL
 (arXiv 2604.12627: GRPO on prompts that carry a minimal subset of a problem's candidate knowledge points, KPs).
 Each training problem x has candidate KPs k_1..k_m (testbed: `Problem.hints`; real data: a `kp_list` field).
 The policy is trained on the hinted prompt x (+) S, held-out evaluation is on the plain prompt. S is chosen per
@@ -123,22 +123,10 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 import numpy as np
 import torch
 
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
-                         max_over_ranks, shard_models)
-from common.evaluate import evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import (attach, batched_logprobs, completion_logits, completion_logprobs, make_engine,
-                            split_completions)
-from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.verifiers import format_reward, score
-from grounds import path_of
+from common import checkpoint, data, dist, evaluate, logger, models, rollout, verifiers
 
 
-# ALGO LOGIC: advantages, KL, the clipped objective, its normalisers and the sampler's importance weight
+# ALGO LOGIC: advantages, KL, the clipped objective and its normalisers (--tis: common.rollout.sampler_correction)
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage of each completion and whether its group had zero reward std.
 
@@ -155,7 +143,7 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
+        return centred_PG / (dist.global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
@@ -201,40 +189,9 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
     mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
-                                          float(len(mask_BC))]))
+    counts = dist.all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                               float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
-
-
-def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
-    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
-    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
-
-    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
-    ...             "token", 1.5)
-    tensor([[1.5000, 1.0000]])
-    """
-    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
-    if level == "none":
-        return torch.ones_like(log_w_BC)
-    if level == "token":
-        return log_w_BC.exp().clamp(max=cap)
-    if level == "sequence":
-        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
-    raise ValueError(f"unknown importance-sampling level {level!r}")
-
-
-def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
-    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
-    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
-    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
-    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
-    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
-    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
-    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
-                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
-                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
 
 
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
@@ -243,15 +200,16 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
-    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
+    logp_BC, entropy_BC = rollout.completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
+                                                      with_entropy=True, share_prompt=args.share_prompt,
+                                                      top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
                                           args.clip_low, args.clip_high)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
-                                                     args.tis, args.tis_cap)
+        tis_w_BC, sampler_stats = rollout.sampler_correction(
+            old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC, args.tis, args.tis_cap)
         pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
@@ -322,14 +280,14 @@ def probe_entropy(model, contexts: list[list[int]], probes: list[list[int]], pad
     forwards of `batch_size` rows. Returns (H_bar_N, bound_N, eps_N, forwards): each row's mean per-position
     truncation bound and tail mass, and the forwards run. --fsdp: as many rows as the busiest rank (padding)."""
     device, was_training, n = next(model.parameters()).device, model.training, len(contexts)
-    pad = max_over_ranks(n, model) - n
-    rows = attach(contexts + [[pad_id]] * pad, [(z, "", False) for z in probes + [[pad_id]] * pad], pad_id)
+    pad = dist.max_over_ranks(n, model) - n
+    rows = rollout.attach(contexts + [[pad_id]] * pad, [(z, "", False) for z in probes + [[pad_id]] * pad], pad_id)
     model.eval()
     out = []
     for s in range(0, n + pad, batch_size):
         ids_BT, attn_BT = (x[s : s + batch_size].to(device) for x in (rows.input_ids_BT, rows.attention_mask_BT))
         # completion_logits: the model's logits at the positions that predict the probe's tokens
-        logits_BCV = completion_logits(model, ids_BT, attn_BT, rows.prompt_len)[..., :vocab]  # padded head rows dropped
+        logits_BCV = rollout.completion_logits(model, ids_BT, attn_BT, rows.prompt_len)[..., :vocab]  # padded rows out
         out.append([x.cpu() for x in truncated_entropy(logits_BCV, top_k)])
     model.train(was_training)
     mask_BC = rows.completion_mask_BC[:n]
@@ -347,7 +305,7 @@ def greedy_select(entropy_fn, num_kps: list[int], budgets: list[int], delta: flo
     J = len(num_kps)
     subsets, gains, bound = [[] for _ in range(J)], [[] for _ in range(J)], [0.0] * J
     active, rounds = [j for j in range(J) if budgets[j] > 0 and num_kps[j] > 0], 0
-    while not agree(not active, model):
+    while not dist.agree(not active, model):
         cands = {j: [k for k in range(num_kps[j]) if k not in subsets[j]] for j in active}
         h_N, b_N = entropy_fn([(j, subsets[j] + add) for j in active for add in [[]] + [[k] for k in cands[j]]])
         rounds, at, still = rounds + 1, 0, []
@@ -375,11 +333,51 @@ def probe_tokens(problem, tokenizer, probe_len: int, cached: list[int] | None = 
     return tokenizer(problem.solution or problem.answer, add_special_tokens=False)["input_ids"][:probe_len]
 
 
+def initial_kps(problems: list, args: Args) -> dict:
+    """The KP state of every problem: the subset S (indices into p.hints, in the order chosen), the score each KP had
+    when it was added, the step S was chosen at (None: choose when next sampled), and the budget. --kp-mode all: every
+    KP; random: a budget-sized random subset; none: no KP; adakp and static choose S with `select_kps`."""
+    n_kps = [len(p.hints) for p in problems]
+    kp = {"S": [[] for _ in problems], "gain": [[] for _ in problems], "chosen_at": [None] * len(problems),
+          "budget": [min(args.budget, m) for m in n_kps]}
+    if args.kp_mode == "all":
+        kp["S"] = [list(range(m)) for m in n_kps]
+    elif args.kp_mode == "random":
+        rng = random.Random(f"kp-{args.seed}")
+        kp["S"] = [sorted(rng.sample(range(m), min(args.budget, m))) for m in n_kps]
+    return kp
+
+
+def select_kps(model, tokenizer, problems: list, idx: list[int], step: int, kp: dict, probe_cache: dict, proxy: dict,
+               args: Args) -> tuple[list[float], list[float]]:
+    """Choose S for the problems `idx` with the current policy (`greedy_select` on the entropy proxy), recorded in `kp`
+    as chosen at `step`; returns the chosen KPs' scores and the truncation bounds. `proxy` counts the forwards, the
+    contexts scored and their tail mass; `probe_cache`: --probe rollout's latest correct rollout of each problem."""
+    def entropy_fn(requests):  # H_bar and truncation bound of (j, S) requests: one batched no-grad forward
+        probs = [problems[idx[j]] for j, _ in requests]
+        texts = [data.render_prompt(p, tokenizer, hints=[p.hints[k] for k in S]) for p, (_, S) in zip(probs, requests)]
+        probes = [probe_tokens(p, tokenizer, args.probe_len, probe_cache.get(idx[j]) if args.probe == "rollout"
+                               else None) for p, (j, _) in zip(probs, requests)]
+        contexts = data.encode_prompts(tokenizer, texts, args.max_prompt_tokens) if texts else []  # --fsdp: maybe none
+        h_N, b_N, eps_N, passes = probe_entropy(model, contexts, probes, tokenizer.pad_token_id, len(tokenizer),
+                                                args.entropy_top_k, args.proxy_batch_size)
+        proxy.update(passes=proxy["passes"] + passes, rows=proxy["rows"] + len(requests),
+                     eps=proxy["eps"] + eps_N.sum().item())
+        return h_N, b_N
+
+    subsets, gains, bounds, _ = greedy_select(entropy_fn, [len(problems[i].hints) for i in idx],
+                                              [kp["budget"][i] for i in idx], args.delta, model)
+    for i, S, g in zip(idx, subsets, gains):
+        kp["S"][i], kp["gain"][i], kp["chosen_at"][i] = S, g, step
+    return [x for g in gains for x in g], bounds
+
+
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, resume)
-    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
-    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
-    ckpt = open_checkpoint(args.resume, rank, world)
+    # TRY NOT TO MODIFY: setup (flags, seeding, run folder, Ctrl-C, model, data, resume)
+    rank, world, device = dist.init_distributed(args.device, args.dist_timeout_minutes)
+    # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    check_run_args(args, tis=args.tis, eval_samples=args.eval_samples, eval_pass_k=args.eval_pass_k)
+    ckpt = checkpoint.open_checkpoint(args.resume, rank, world)
     check_at_least(args, 0, "budget", "reselect_every", "entropy_top_k")
     check_at_least(args, 1, "probe_len", "proxy_batch_size")
     if not 0 < args.is_clip_min <= 1:
@@ -387,109 +385,89 @@ def main(args: Args) -> dict:
     if args.correction != "none" and args.tis != "none":
         raise SystemExit("error: --tis weighs the sampler's own context; with --correction the rows are trained on "
                          "another prompt, so use one of them")
-    run_dir = start_run(args, rank)
-    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
-    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
-    tokenizer = load_tokenizer(model_path, args.system_prompt)
-    train_problems, eval_problems = load_train_eval(args)
-    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model) if args.beta > 0 else None
-    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
+    dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
+    run_dir = logger.run_folder(args, rank)
+    ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, __file__, args.save_optimizer)  # Ctrl-C: one line, status 130
+    model_path = args.model_name  # a hub id or a local folder
+    if model_path.lower() in models.EMBEDDED_NAMES:  # an embedded model, built once and cached by grounds/
+        import grounds  # only then: a fork without grounds/ runs on hub ids and local folders
+        model_path = grounds.path_of(model_path)
+    tokenizer = models.load_tokenizer(model_path, args.system_prompt)
+    train_problems, eval_problems = data.load_train_eval(args)
+    model = models.load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
+    models.mask_padded_head(model, len(tokenizer))  # no probability on LM-head rows the tokenizer lacks
+    if args.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)  # each layer recomputed in backward (set before sharding)
+    ref_model = models.frozen_copy(model) if args.beta > 0 else None
+    model, ref_model = dist.shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
     args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
-    sampler = PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
-    engine = make_engine(args, model, tokenizer, args.seed + rank)
+    sampler = data.PromptSampler(list(range(len(train_problems))), args.seed + rank)  # yields problem indices
+    engine = rollout.make_engine(args, model, tokenizer, args.seed + rank)
     if args.kp_mode != "none" and not any(p.hints for p in train_problems):
         raise SystemExit(f"error: --kp-mode {args.kp_mode}: no training problem has knowledge points "
                          "(a 'kp_list' field in the data, or the testbed's hints)")
 
-    # ALGO LOGIC: per-problem KP state: the subset S (indices into p.hints, in the order chosen), the score each KP
-    # had when it was added, the step S was chosen at (None: choose when next sampled), and the budget
-    n_kps = [len(p.hints) for p in train_problems]
-    kp = {"S": [[] for _ in train_problems], "gain": [[] for _ in train_problems],
-          "chosen_at": [None] * len(train_problems), "budget": [min(args.budget, m) for m in n_kps]}
-    probe_cache = {}  # --probe rollout: problem index -> token ids of its latest correct rollout
+    # ALGO LOGIC: the KP state of every problem (initial_kps); static: chosen once with the initial policy (before
+    # any resume), never changed; --probe rollout caches a correct rollout per problem
+    kp, probe_cache, proxy = initial_kps(train_problems, args), {}, {"passes": 0, "rows": 0, "eps": 0.0}
     reselect_every = args.reselect_every or max(1, math.ceil(len(train_problems) / args.num_prompts))
-    proxy = {"passes": 0, "rows": 0, "eps": 0.0}
-
-    def select(idx: list[int], step: int) -> tuple[list[float], list[float]]:
-        """Choose S for problems `idx` with the current policy; returns the chosen KPs' scores and the bounds."""
-        def entropy_fn(requests):  # H_bar and truncation bound of (j, S) requests: one batched no-grad forward
-            probs = [train_problems[idx[j]] for j, _ in requests]
-            texts = [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S]) for p, (_, S) in zip(probs, requests)]
-            probes = [probe_tokens(p, tokenizer, args.probe_len, probe_cache.get(idx[j]) if args.probe == "rollout"
-                                   else None) for p, (j, _) in zip(probs, requests)]
-            contexts = encode_prompts(tokenizer, texts, args.max_prompt_tokens) if texts else []  # --fsdp: maybe none
-            h_N, b_N, eps_N, passes = probe_entropy(model, contexts, probes, tokenizer.pad_token_id, len(tokenizer),
-                                                    args.entropy_top_k, args.proxy_batch_size)
-            proxy.update(passes=proxy["passes"] + passes, rows=proxy["rows"] + len(requests),
-                         eps=proxy["eps"] + eps_N.sum().item())
-            return h_N, b_N
-
-        subsets, gains, bounds, _ = greedy_select(entropy_fn, [n_kps[i] for i in idx], [kp["budget"][i] for i in idx],
-                                                  args.delta, model)
-        for i, S, g in zip(idx, subsets, gains):
-            kp["S"][i], kp["gain"][i], kp["chosen_at"][i] = S, g, step
-        return [x for g in gains for x in g], bounds
-
-    if args.kp_mode == "all":
-        kp["S"] = [list(range(m)) for m in n_kps]
-    elif args.kp_mode == "random":
-        rng = random.Random(f"kp-{args.seed}")
-        kp["S"] = [sorted(rng.sample(range(m), min(args.budget, m))) for m in n_kps]
-    elif args.kp_mode == "static":  # chosen once with the initial policy (before any resume), never changed
-        select(list(range(len(train_problems))), 0)
+    if args.kp_mode == "static":
+        select_kps(model, tokenizer, train_problems, list(range(len(train_problems))), 0, kp, probe_cache, proxy, args)
         if rank == 0:
             print(f"static KP selection: mean |S| {np.mean([len(S) for S in kp['S']]):.2f} "
                   f"({proxy['passes']} forwards over {proxy['rows']} contexts)")
 
-    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
+    state = checkpoint.resume_state(ckpt, model, optimizer, scheduler, sampler, engine, device)
     kp, probe_cache = state.get("kp", kp), state.get("probe_cache", probe_cache)
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    writer = logger.RunLogger(args, run_dir, enabled=rank == 0)
 
-    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
-    first_eval = first_evaluation(run_eval, state, logger)
-    bar = step_bar(args, state["step"], rank)
+    run_eval = evaluate.evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
+    first_eval = evaluate.first_evaluation(run_eval, state, writer)
+    bar = logger.step_bar(args, state["step"], rank)  # tqdm over range(start + 1, total_steps + 1), on rank 0
     metrics = {}
-    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
+    for step in bar:
+        ctrl_c.step = step  # a first Ctrl-C from here on stops the run after this step, saved
         t_step, times = time.time(), {}
         # ALGO LOGIC: 0. (re)select S for sampled problems whose selection is missing or older than R steps
         idx = sampler.next(args.num_prompts)
         problems = [train_problems[i] for i in idx]
-        with timed(times, "proxy"):
+        with logger.timed(times, "proxy"):
             proxy.update(passes=0, rows=0, eps=0.0)
             stale = [i for i in dict.fromkeys(idx) if args.kp_mode == "adakp"
                      and (kp["chosen_at"][i] is None or step - kp["chosen_at"][i] >= reselect_every)]
-            chosen_scores, bounds = select(stale, step)  # on every rank: --fsdp keeps the proxy passes in step
+            chosen_scores, bounds = select_kps(model, tokenizer, train_problems, stale, step, kp, probe_cache, proxy,
+                                               args)  # on every rank: --fsdp keeps the proxy passes in step
 
         # 1. Rollouts: G completions for each of num_prompts hinted prompts x~ = x (+) S
         shown = [list(kp["S"][i]) for i in idx]
-        prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer, hints=[p.hints[k] for k in S])
-                                                for p, S in zip(problems, shown)], args.max_prompt_tokens)
-        with timed(times, "generate"):
+        prompt_ids = data.encode_prompts(tokenizer, [data.render_prompt(p, tokenizer, hints=[p.hints[k] for k in S])
+                                                     for p, S in zip(problems, shown)], args.max_prompt_tokens)
+        with logger.timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens,
                                        return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the verifier
-        with timed(times, "score"):
+        with logger.timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
+            correct_B = torch.tensor(verifiers.score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
             rewards_B = correct_B.clone()
             if args.format_reward_weight:
                 rewards_B += args.format_reward_weight * torch.tensor(
-                    [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
+                    [verifiers.format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
 
         # ALGO LOGIC: 2b. fade (pass rate >= p_hi: drop the lowest-scoring KP, the budget shrinks to what is left)
         # and grow (all wrong: budget + 1, re-selected when next sampled); --probe rollout caches a correct rollout
         G = args.group_size
         pass_P = correct_B.view(-1, G).float().mean(1)
         faded = grown = 0
-        completions = split_completions(rollouts) if args.probe == "rollout" or args.correction != "none" else None
+        completions = (rollout.split_completions(rollouts) if args.probe == "rollout" or args.correction != "none"
+                       else None)
         for g, i in enumerate(idx):
             if args.probe == "rollout" and pass_P[g] > 0:
                 probe_cache[i] = completions[g * G + int(correct_B[g * G : (g + 1) * G].float().argmax())][0]
@@ -499,12 +477,13 @@ def main(args: Args) -> dict:
                 drop = min(range(len(kp["S"][i])), key=lambda n: kp["gain"][i][n])  # the lowest-scoring KP
                 del kp["S"][i][drop], kp["gain"][i][drop]
                 kp["budget"][i], faded = len(kp["S"][i]), faded + 1
-            elif pass_P[g] == 0 and args.grow_budget and kp["budget"][i] < n_kps[i]:
+            elif pass_P[g] == 0 and args.grow_budget and kp["budget"][i] < len(problems[g].hints):
                 kp["budget"][i], kp["chosen_at"][i], grown = kp["budget"][i] + 1, None, grown + 1
 
         # 2c. --correction: the rollouts are trained on the plain prompt [x|y] (same completion columns as [x~|y])
-        plain_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        train_rollouts = rollouts if args.correction == "none" else attach(
+        plain_ids = data.encode_prompts(tokenizer, [data.render_prompt(p, tokenizer) for p in problems],
+                                        args.max_prompt_tokens)
+        train_rollouts = rollouts if args.correction == "none" else rollout.attach(
             [plain_ids[b // G] for b in range(len(completions))], completions, tokenizer.pad_token_id,
             rollouts.completion_ids_BC.shape[1])
 
@@ -514,7 +493,7 @@ def main(args: Args) -> dict:
         # every advantage 0 on every rank and no KL term: the gradient is 0, yet AdamW's step still moves the weights
         # (momentum, weight decay), as in veRL and TRL; --skip-zero-advantage-steps skips it (update/skipped)
         skip = (args.skip_zero_advantage_steps and args.beta <= 0
-                and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
+                and dist.all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
@@ -522,33 +501,33 @@ def main(args: Args) -> dict:
         # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly, and the update's
         # own forward gives the trainer's log-probs that a separate sampler (vllm) is compared with (no extra pass).
         # --correction: the weight w = clip(pi_old(y|x) / pi_old(y|x~), c_min, 1) on rows shown KPs (1 elsewhere)
-        with timed(times, "logprobs"):
+        with logger.timed(times, "logprobs"):
             needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             weigh = not skip and args.correction != "none"  # the context-shift weights (none for a skipped update)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
-            old_logp_BC = (batched_logprobs(model, train_rollouts, args.temperature,
-                                            args.micro_batch_size, args.share_prompt, args.top_p)
+            old_logp_BC = (rollout.batched_logprobs(model, train_rollouts, args.temperature,
+                                                    args.micro_batch_size, args.share_prompt, args.top_p)
                            if needs_old or weigh else None)
             w_BC = torch.ones_like(mask_BC)
             hinted_B = torch.tensor([len(S) > 0 for S in shown]).repeat_interleave(G)
-            if weigh and max_over_ranks(int(hinted_B.any()), model):  # --fsdp: on every rank if any shows KPs
-                hint_logp_BC = batched_logprobs(model, rollouts, args.temperature,
-                                                args.micro_batch_size, args.share_prompt, args.top_p)
+            if weigh and dist.max_over_ranks(int(hinted_B.any()), model):  # --fsdp: on every rank if any shows KPs
+                hint_logp_BC = rollout.batched_logprobs(model, rollouts, args.temperature,
+                                                        args.micro_batch_size, args.share_prompt, args.top_p)
                 w_BC = torch.where(hinted_B.unsqueeze(1), importance_weights(old_logp_BC, hint_logp_BC, mask_BC,
                                                                              args.is_clip_min), w_BC)
             batch = dict(input_ids_BT=train_rollouts.input_ids_BT, attention_mask_BT=train_rollouts.attention_mask_BT,
                          prompt_len=train_rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_B.unsqueeze(1) * w_BC,
                          sampler_logp_BC=rollouts.sampler_logp_BC if not weigh else None,
                          old_logp_BC=old_logp_BC if needs_old else None,
-                         ref_logp_BC=batched_logprobs(ref_model, train_rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt, args.top_p)
+                         ref_logp_BC=rollout.batched_logprobs(ref_model, train_rollouts, args.temperature,
+                                                              args.micro_batch_size, args.share_prompt, args.top_p)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        with timed(times, "update"):
+        with logger.timed(times, "update"):
             sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
             for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
-                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
+                order = rollout.minibatch_order(args)  # --share-prompt: whole groups, as the log-prob passes took them
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
@@ -557,7 +536,7 @@ def main(args: Args) -> dict:
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
-                    all_reduce_grads(model)
+                    dist.all_reduce_grads(model)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                     optimizer.step()
                     lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
@@ -572,9 +551,9 @@ def main(args: Args) -> dict:
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
-                             mask_BC.sum().item() * args.num_iterations),
-            **rollout_perf_metrics(rollouts, times, args.num_iterations, device, train_rollouts=train_rollouts),
+            **logger.update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                                    mask_BC.sum().item() * args.num_iterations),
+            **logger.rollout_perf_metrics(rollouts, times, args.num_iterations, device, train_rollouts=train_rollouts),
             # knowledge-point statistics (docs/adakp.md)
             "kp/mean_size": float(np.mean([len(S) for S in shown])),
             "kp/budget_mean": float(np.mean([kp["budget"][i] for i in idx])),
@@ -587,24 +566,30 @@ def main(args: Args) -> dict:
         }
         if args.correction != "none":  # over the tokens of rows shown KPs (a skipped update's: all 1, none computed)
             metrics.update(weight_metrics(w_BC[hinted_B][mask_BC[hinted_B] > 0], args.is_clip_min))
-        metrics = all_reduce_mean(metrics)
-        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl), with the KPs shown
-            metrics["samples/train"] = sample_rows(
+        metrics = dist.all_reduce_mean(metrics)
+        if logger.sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl), with the KPs shown
+            metrics["samples/train"] = logger.sample_rows(
                 tokenizer, rollouts, group_problems, args.log_samples, G, reward=rewards_B, correct=correct_B,
-                format=[format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)], advantage=adv_B,
+                format=[verifiers.format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)],
+                advantage=adv_B,
                 kps_shown=[[p.hints[k] for k in S] for p, S in zip(problems, shown) for _ in range(G)])
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
-        logger.log(step, metrics, bar)
-        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
-        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None, scheduler,
-                            sampler, {"first_eval": first_eval},
-                            rank_extra={"kp": kp, "probe_cache": probe_cache})  # each rank's own problems' state
+        writer.log(step, metrics, bar)
+        writer.warn_if_stuck(step, metrics, args.max_new_tokens)  # one console line after 3 steps without signal
+        stop = ctrl_c.stop_asked()  # a Ctrl-C on any rank: every rank stops after this step (one all-reduce)
+        if stop or step == args.total_steps or args.save_every and step % args.save_every == 0:
+            checkpoint.save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None,
+                                       scheduler, sampler, {"first_eval": first_eval},
+                                       rank_extra={"kp": kp, "probe_cache": probe_cache})  # each rank's own
+        if stop:
+            ctrl_c.exit_saved(bar)  # "stopped after step N (checkpoint saved); continue with: ...", status 130
 
-    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir,
-                            what="held-out no-hint greedy accuracy")
+    ctrl_c.step = None  # the final evaluation: a Ctrl-C quits at once
+    final_eval = evaluate.final_evaluation(run_eval, writer, first_eval, args.total_steps,
+                                           what="held-out no-hint greedy accuracy")  # logged, printed
+    writer.close()  # metrics.jsonl, samples.jsonl and curve.png complete
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
 
 

@@ -156,18 +156,7 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 import torch
 import torch.nn.functional as F
 
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
-from common.evaluate import evaluate, evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_model, load_policy, load_tokenizer
-from common.rollout import HFEngine, make_engine, position_ids
-from common.run import (RunControl, finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics,
-                        sample_step, start_run, step_bar, timed, update_metrics)
-from common.verifiers import score
-from grounds import path_of
-from grounds.testbed_models import ensure_testbed_teacher_pair
+from common import checkpoint, data, dist, evaluate, logger, models, rollout, verifiers
 
 
 def check_same_vocab(tokenizers: dict) -> None:
@@ -186,11 +175,23 @@ def default_teacher_post(teacher_pre: str) -> str:
     if teacher_pre != "testbed-weak":
         raise SystemExit(f"error: --teacher-post is required with --teacher-pre {teacher_pre} (the built-in pair is "
                          "for testbed-weak only): pass the folder of the teacher after its RL run")
-    return ensure_testbed_teacher_pair()[1]
+    import grounds  # only for the embedded pair: a fork without grounds/ passes both teachers as folders
+
+    return grounds.testbed_models.ensure_testbed_teacher_pair()[1]
 
 
-# ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient, the
-# loss normalisers and the sampler's importance weight
+def model_folder(name: str) -> str:
+    """A hub id or a local folder as it is; an embedded name (common.models.EMBEDDED_NAMES) its cached folder, built
+    once by grounds/, imported only then: a fork without grounds/ runs on hub ids and local folders."""
+    if name.lower() not in models.EMBEDDED_NAMES:
+        return name
+    import grounds
+
+    return grounds.path_of(name)
+
+
+# ALGO LOGIC: top-K support, the teacher-pair reward, the top-K clipped objective, the adaptive KL coefficient and the
+# loss normalisers (--tis: common.rollout.sampler_correction)
 def completion_logp_BCV(model, input_ids_BT, attention_mask_BT, prompt_len: int, temperature: float, vocab: int):
     """Log-softmax over the shared vocabulary at every completion position: row t predicts completion token t.
     Only the last C+1 hidden states go through the LM head; padded LM-head rows beyond `vocab` are dropped
@@ -200,8 +201,8 @@ def completion_logp_BCV(model, input_ids_BT, attention_mask_BT, prompt_len: int,
     # group): that path rounds differently with and without grad (~1e-7), and the identical-teacher control needs
     # the no-grad reference and the trained student to agree bit for bit, or Adam blows the noise up into steps.
     C = input_ids_BT.shape[1] - prompt_len
-    out = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids(attention_mask_BT),
-                logits_to_keep=C + 1, use_cache=False)
+    out = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
+                position_ids=rollout.position_ids(attention_mask_BT), logits_to_keep=C + 1, use_cache=False)
     return F.log_softmax(out.logits[:, :-1, :vocab].float() / temperature, -1)
 
 
@@ -303,40 +304,9 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
     mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
-                                          float(len(mask_BC))]))
+    counts = dist.all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                               float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
-
-
-def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
-    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
-    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
-
-    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
-    ...             "token", 1.5)
-    tensor([[1.5000, 1.0000]])
-    """
-    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
-    if level == "none":
-        return torch.ones_like(log_w_BC)
-    if level == "token":
-        return log_w_BC.exp().clamp(max=cap)
-    if level == "sequence":
-        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
-    raise ValueError(f"unknown importance-sampling level {level!r}")
-
-
-def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
-    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
-    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
-    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
-    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
-    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
-    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
-    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
-                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
-                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
 
 
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tokens: float, kl_coef: float):
@@ -356,8 +326,8 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tok
     pg_BC = pg_BCK.sum(-1)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
-                                                     args.tis, args.tis_cap)
+        tis_w_BC, sampler_stats = rollout.sampler_correction(
+            old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC, args.tis, args.tis_cap)
         pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per sequence (--tis none: 1)
     kl_BC = kl_penalty(logp_BC, batch["ref_logp_BC"][rows].to(device), args.kl_estimator, mask_BC)
     loss = aggregate(pg_BC + kl_coef * kl_BC, mask_BC, num_tokens)
@@ -375,10 +345,11 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, num_tok
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, resume)
-    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
+    # TRY NOT TO MODIFY: setup (flags, teachers, seeding, run folder, Ctrl-C, model, data, resume)
+    rank, world, device = dist.init_distributed(args.device, args.dist_timeout_minutes)
     # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
-    check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1)
+    check_run_args(args, min_group_size=2 if args.reward == "direct_plus_grpo" else 1, tis=args.tis,
+                   eval_samples=args.eval_samples, eval_pass_k=args.eval_pass_k)
     if args.tis == "token":  # the loss at position t averages over the top-K support under the trainer's own
         # probabilities: the token drawn at t only decides the states after it, whose distribution the ratio of the
         # whole row corrects (--tis sequence); a per-token weight would reweight a term that does not depend on it
@@ -388,68 +359,74 @@ def main(args: Args) -> dict:
     if args.top_p < 1:  # the top-K support, its weights and the teachers' log-ratio live on the whole softmax
         fail(f"--top-p {args.top_p}: Direct-OPD's top-K support, its weights and the teachers' log-ratio are over the "
              "whole vocabulary's softmax, which a nucleus sampler does not draw from; keep --top-p 1")
-    ckpt = open_checkpoint(args.resume, rank, world)
+    ckpt = checkpoint.open_checkpoint(args.resume, rank, world)
     # the student's token ids go to the teachers unchanged: one vocabulary, checked before any model loads
-    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
-    teacher_pre_path = path_of(args.teacher_pre)
-    tokenizer = load_tokenizer(model_path, args.system_prompt)
+    model_path = model_folder(args.model_name)
+    teacher_pre_path = model_folder(args.teacher_pre)
+    tokenizer = models.load_tokenizer(model_path, args.system_prompt)
     vocab_check = {f"student ({args.model_name})": tokenizer, f"teacher_pre ({args.teacher_pre})":
-                   load_tokenizer(teacher_pre_path)}
+                   models.load_tokenizer(teacher_pre_path)}
     if args.teacher_post:
-        vocab_check[f"teacher_post ({args.teacher_post})"] = load_tokenizer(path_of(args.teacher_post))
+        vocab_check[f"teacher_post ({args.teacher_post})"] = models.load_tokenizer(model_folder(args.teacher_post))
     check_same_vocab(vocab_check)
-    teacher_post = path_of(args.teacher_post) if args.teacher_post else default_teacher_post(args.teacher_pre)
-    run_dir = start_run(args, rank)  # after the teacher build, which seeds its own run
-    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
-    train_problems, eval_problems = load_train_eval(args)
-    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model)
-    post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
-    pre_model = load_model(teacher_pre_path, args.dtype, device).eval().requires_grad_(False)
-    model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
+    teacher_post = model_folder(args.teacher_post) if args.teacher_post else default_teacher_post(args.teacher_pre)
+    dist.seed_everything(args.seed + rank)  # after the teacher build, which seeds its own run
+    run_dir = logger.run_folder(args, rank)
+    ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, __file__, args.save_optimizer)  # Ctrl-C: one line, status 130
+    train_problems, eval_problems = data.load_train_eval(args)
+    model = models.load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
+    models.mask_padded_head(model, len(tokenizer))  # no probability on LM-head rows the tokenizer lacks
+    if args.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)  # each layer recomputed in backward (set before sharding)
+    ref_model = models.frozen_copy(model)
+    post_model = models.load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
+    pre_model = models.load_model(teacher_pre_path, args.dtype, device).eval().requires_grad_(False)
+    model, ref_model, post_model, pre_model = dist.shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
     # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
     args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
-    sampler = PromptSampler(train_problems, args.seed + rank)
-    engine = make_engine(args, model, tokenizer, args.seed + rank)
-    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
+    sampler = data.PromptSampler(train_problems, args.seed + rank)
+    engine = rollout.make_engine(args, model, tokenizer, args.seed + rank)
+    state = checkpoint.resume_state(ckpt, model, optimizer, scheduler, sampler, engine, device)
     kl_coef = state.get("kl_coef", args.kl_coef)
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    writer = logger.RunLogger(args, run_dir, enabled=rank == 0)
 
-    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
+    run_eval = evaluate.evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
     first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
         for name, teacher in (("pre", pre_model), ("post", post_model)):  # greedy only: where the pair stands
-            acc = evaluate(HFEngine(teacher, tokenizer), tokenizer, eval_problems, args.max_new_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens)["eval/greedy_accuracy"]
+            acc = evaluate.evaluate(rollout.HFEngine(teacher, tokenizer), tokenizer, eval_problems, args.max_new_tokens,
+                                    max_prompt_tokens=args.max_prompt_tokens)["eval/greedy_accuracy"]
             first_eval[f"eval/teacher_{name}_greedy_accuracy"] = acc
-        logger.log(state["step"], first_eval)
-    bar = step_bar(args, state["step"], rank)
+        writer.log(state["step"], first_eval)
+    bar = logger.step_bar(args, state["step"], rank)  # tqdm over range(start + 1, total_steps + 1), on rank 0
     metrics = {}
     vocab = len(tokenizer)
-    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
+    for step in bar:
+        ctrl_c.step = step  # a first Ctrl-C from here on stops the run after this step, saved
         t_step, times = time.time(), {}
         # 1. Rollouts: group_size completions for each of num_prompts prompts, from the student
         problems = sampler.next(args.num_prompts)
-        prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        with timed(times, "generate"):
+        prompt_ids = data.encode_prompts(tokenizer, [data.render_prompt(p, tokenizer) for p in problems],
+                                         args.max_prompt_tokens)
+        with logger.timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens,
                                        return_logprobs=args.rollout_backend == "vllm")
 
         # 2. The verifier: logged only (and the outcome term of direct_plus_grpo)
-        with timed(times, "score"):
+        with logger.timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
+            correct_B = torch.tensor(verifiers.score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
 
         mask_BC = rollouts.completion_mask_BC.clone()
         # 3. no-grad passes on the student's own tokens: its top-K support (pi_old), both teachers, the reference;
         # the student's log-probs of the sampled tokens are what a separate sampler (vllm) is compared with
-        with timed(times, "logprobs"):
+        with logger.timed(times, "logprobs"):
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, vocab=vocab,
                          sampler_logp_BC=rollouts.sampler_logp_BC)
@@ -477,15 +454,15 @@ def main(args: Args) -> dict:
         # the adaptive KL coefficient from this batch's mean of A over valid top-K entries (all ranks), set BEFORE
         # this batch's update, as the official trainer sets kl_loss_coef before update_actor: step t uses beta_t
         valid_BCK = mask_BC.unsqueeze(-1).expand_as(adv_BCK)
-        wr = all_reduce_sum(torch.tensor([adv_BCK.sum().item(), valid_BCK.sum().item()], dtype=torch.float64))
+        wr = dist.all_reduce_sum(torch.tensor([adv_BCK.sum().item(), valid_BCK.sum().item()], dtype=torch.float64))
         weighted_reward_mean = (wr[0] / wr[1].clamp(min=1)).item()
         kl_coef = update_kl_coef(kl_coef, weighted_reward_mean, args.kl_adapt_rate, args.kl_coef_min, args.kl_coef_max)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        with timed(times, "update"):
+        with logger.timed(times, "update"):
             sums, grad_norms = {}, []
             for _ in range(args.num_iterations):
-                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
+                order = rollout.minibatch_order(args)  # --share-prompt: whole groups, as the log-prob passes took them
                 for mb in order.split(args.minibatch_size):
                     num_tokens = minibatch_counts(mask_BC[mb])[0]  # tokens in the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
@@ -494,7 +471,7 @@ def main(args: Args) -> dict:
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
-                    all_reduce_grads(model)
+                    dist.all_reduce_grads(model)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                     optimizer.step()
                     lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
@@ -515,31 +492,36 @@ def main(args: Args) -> dict:
             "delta_opd/sampled_logratio": ((post_logp_BC - base_logp_BC) * mask_BC).sum().item() / n_valid,
             "delta_opd/topk_mass": (topk_mass_BC * mask_BC).sum().item() / n_valid,
             "kl/coef": kl_coef,
-            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
-                             mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
-            **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
+            **logger.update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                                    mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
+            **logger.rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
         if zero_std_P is not None:
             metrics["adv/frac_zero_std"] = zero_std_P.float().mean().item()
-        metrics = all_reduce_mean(metrics)
-        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
-            metrics["samples/train"] = sample_rows(
+        metrics = dist.all_reduce_mean(metrics)
+        if logger.sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
+            metrics["samples/train"] = logger.sample_rows(
                 tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=return_B,
                 correct=correct_B, teacher_logratio=((post_logp_BC - base_logp_BC) * mask_BC).sum(1))
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
-        logger.log(step, metrics, bar)
-        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
-        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None, scheduler,
-                            sampler, {"first_eval": first_eval, "kl_coef": kl_coef})
+        writer.log(step, metrics, bar)
+        writer.warn_if_stuck(step, metrics, args.max_new_tokens)  # one console line after 3 steps without signal
+        stop = ctrl_c.stop_asked()  # a Ctrl-C on any rank: every rank stops after this step (one all-reduce)
+        if stop or step == args.total_steps or args.save_every and step % args.save_every == 0:
+            checkpoint.save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None,
+                                       scheduler, sampler, {"first_eval": first_eval, "kl_coef": kl_coef})
+        if stop:
+            ctrl_c.exit_saved(bar)  # "stopped after step N (checkpoint saved); continue with: ...", status 130
 
+    ctrl_c.step = None  # the final evaluation: a Ctrl-C quits at once
     if rank == 0:
         print(f"teacher pair held-out greedy accuracy: pre {first_eval['eval/teacher_pre_greedy_accuracy']:.3f}, "
               f"post {first_eval['eval/teacher_post_greedy_accuracy']:.3f} ({args.reward} reward, no verifier in the "
               "loss)")
-    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
+    final_eval = evaluate.final_evaluation(run_eval, writer, first_eval, args.total_steps)  # logged, printed
+    writer.close()  # metrics.jsonl, samples.jsonl and curve.png complete
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir,
             "teacher_post": teacher_post}
 

@@ -90,20 +90,10 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 
 import torch
 
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
-from common.evaluate import evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.verifiers import format_reward, score
-from grounds import path_of
+from common import checkpoint, data, dist, evaluate, logger, models, rollout, verifiers
 
 
-# ALGO LOGIC: advantages, KL, the clipped objective, its normalisers and the sampler's importance weight
+# ALGO LOGIC: advantages, KL, the clipped objective and its normalisers (--tis: common.rollout.sampler_correction)
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage of each completion and whether its group had zero reward std.
 
@@ -120,7 +110,7 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
+        return centred_PG / (dist.global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
@@ -165,40 +155,9 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
     mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
-                                          float(len(mask_BC))]))
+    counts = dist.all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                               float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
-
-
-def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
-    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
-    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
-
-    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
-    ...             "token", 1.5)
-    tensor([[1.5000, 1.0000]])
-    """
-    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
-    if level == "none":
-        return torch.ones_like(log_w_BC)
-    if level == "token":
-        return log_w_BC.exp().clamp(max=cap)
-    if level == "sequence":
-        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
-    raise ValueError(f"unknown importance-sampling level {level!r}")
-
-
-def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
-    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
-    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
-    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
-    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
-    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
-    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
-    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
-                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
-                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
 
 
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
@@ -208,15 +167,16 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
-    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
+    logp_BC, entropy_BC = rollout.completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
+                                                      with_entropy=True, share_prompt=args.share_prompt,
+                                                      top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
-                                                     args.tis, args.tis_cap)
+        tis_w_BC, sampler_stats = rollout.sampler_correction(
+            old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC, args.tis, args.tis_cap)
         pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
@@ -238,51 +198,61 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, resume)
-    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
-    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
-    ckpt = open_checkpoint(args.resume, rank, world)
-    run_dir = start_run(args, rank)
-    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
-    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
-    tokenizer = load_tokenizer(model_path, args.system_prompt)
-    train_problems, eval_problems = load_train_eval(args)
-    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model) if args.beta > 0 else None
-    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
+    # TRY NOT TO MODIFY: setup (flags, seeding, run folder, Ctrl-C, model, data, resume)
+    rank, world, device = dist.init_distributed(args.device, args.dist_timeout_minutes)
+    # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    check_run_args(args, tis=args.tis, eval_samples=args.eval_samples, eval_pass_k=args.eval_pass_k)
+    ckpt = checkpoint.open_checkpoint(args.resume, rank, world)
+    dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
+    run_dir = logger.run_folder(args, rank)
+    ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, __file__, args.save_optimizer)  # Ctrl-C: one line, status 130
+    model_path = args.model_name  # a hub id or a local folder
+    if model_path.lower() in models.EMBEDDED_NAMES:  # an embedded model, built once and cached by grounds/
+        import grounds  # only then: a fork without grounds/ runs on hub ids and local folders
+        model_path = grounds.path_of(model_path)
+    tokenizer = models.load_tokenizer(model_path, args.system_prompt)
+    train_problems, eval_problems = data.load_train_eval(args)
+    model = models.load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
+    models.mask_padded_head(model, len(tokenizer))  # no probability on LM-head rows the tokenizer lacks
+    if args.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)  # each layer recomputed in backward (set before sharding)
+    ref_model = models.frozen_copy(model) if args.beta > 0 else None
+    model, ref_model = dist.shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
     args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
-    sampler = PromptSampler(train_problems, args.seed + rank)
-    engine = make_engine(args, model, tokenizer, args.seed + rank)
-    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    sampler = data.PromptSampler(train_problems, args.seed + rank)
+    engine = rollout.make_engine(args, model, tokenizer, args.seed + rank)
+    state = checkpoint.resume_state(ckpt, model, optimizer, scheduler, sampler, engine, device)
+    writer = logger.RunLogger(args, run_dir, enabled=rank == 0)
 
-    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
-    first_eval = first_evaluation(run_eval, state, logger)
-    bar = step_bar(args, state["step"], rank)
+    run_eval = evaluate.evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
+    first_eval = evaluate.first_evaluation(run_eval, state, writer)
+    bar = logger.step_bar(args, state["step"], rank)  # tqdm over range(start + 1, total_steps + 1), on rank 0
     metrics = {}
-    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
+    for step in bar:
+        ctrl_c.step = step  # a first Ctrl-C from here on stops the run after this step, saved
         t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts
         problems = sampler.next(args.num_prompts)
-        prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        with timed(times, "generate"):
+        prompt_ids = data.encode_prompts(tokenizer, [data.render_prompt(p, tokenizer) for p in problems],
+                                         args.max_prompt_tokens)
+        with logger.timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens,
                                        return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the verifier
-        with timed(times, "score"):
+        with logger.timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
+            correct_B = torch.tensor(verifiers.score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
             rewards_B = correct_B.clone()
             if args.format_reward_weight:
                 rewards_B += args.format_reward_weight * torch.tensor(
-                    [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
+                    [verifiers.format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
 
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
@@ -290,7 +260,7 @@ def main(args: Args) -> dict:
         # every advantage 0 on every rank and no KL term: the gradient is 0, yet AdamW's step still moves the weights
         # (momentum, weight decay), as in veRL and TRL; --skip-zero-advantage-steps skips it (update/skipped)
         skip = (args.skip_zero_advantage_steps and args.beta <= 0
-                and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
+                and dist.all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
@@ -298,24 +268,24 @@ def main(args: Args) -> dict:
         # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
         # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
         # compared with, so that comparison costs no extra pass.
-        with timed(times, "logprobs"):
+        with logger.timed(times, "logprobs"):
             needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
                          sampler_logp_BC=rollouts.sampler_logp_BC,
-                         old_logp_BC=batched_logprobs(model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt, args.top_p)
+                         old_logp_BC=rollout.batched_logprobs(model, rollouts, args.temperature,
+                                                              args.micro_batch_size, args.share_prompt, args.top_p)
                          if needs_old else None,
-                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt, args.top_p)
+                         ref_logp_BC=rollout.batched_logprobs(ref_model, rollouts, args.temperature,
+                                                              args.micro_batch_size, args.share_prompt, args.top_p)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        with timed(times, "update"):
+        with logger.timed(times, "update"):
             sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
             for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
-                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
+                order = rollout.minibatch_order(args)  # --share-prompt: whole groups, as the log-prob passes took them
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
@@ -324,7 +294,7 @@ def main(args: Args) -> dict:
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
-                    all_reduce_grads(model)
+                    dist.all_reduce_grads(model)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                     optimizer.step()
                     lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
@@ -338,26 +308,32 @@ def main(args: Args) -> dict:
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": correct_B.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
-                             mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
-            **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
+            **logger.update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                                    mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
+            **logger.rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
-        metrics = all_reduce_mean(metrics)
-        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
-            metrics["samples/train"] = sample_rows(
+        metrics = dist.all_reduce_mean(metrics)
+        if logger.sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
+            metrics["samples/train"] = logger.sample_rows(
                 tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=rewards_B,
-                correct=correct_B, format=[format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)],
+                correct=correct_B,
+                format=[verifiers.format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)],
                 advantage=adv_B)
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
-        logger.log(step, metrics, bar)
-        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
-        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None, scheduler,
-                            sampler, {"first_eval": first_eval})
+        writer.log(step, metrics, bar)
+        writer.warn_if_stuck(step, metrics, args.max_new_tokens)  # one console line after 3 steps without signal
+        stop = ctrl_c.stop_asked()  # a Ctrl-C on any rank: every rank stops after this step (one all-reduce)
+        if stop or step == args.total_steps or args.save_every and step % args.save_every == 0:
+            checkpoint.save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None,
+                                       scheduler, sampler, {"first_eval": first_eval})
+        if stop:
+            ctrl_c.exit_saved(bar)  # "stopped after step N (checkpoint saved); continue with: ...", status 130
 
-    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
+    ctrl_c.step = None  # the final evaluation: a Ctrl-C quits at once
+    final_eval = evaluate.final_evaluation(run_eval, writer, first_eval, args.total_steps)  # logged, printed
+    writer.close()  # metrics.jsonl, samples.jsonl and curve.png complete
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
 
 

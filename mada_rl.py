@@ -35,17 +35,15 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
 
-import json
 import os
 import random
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
 
-from common.args import TrainArgs, check_at_least, check_run_args, fail
+from common.args import TrainArgs, check_run_args, fail
 
 
 @dataclass
@@ -132,22 +130,10 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from common.data import MATH_INSTRUCTION, PromptSampler, encode_prompts, render_prompt
-from common.dist import (all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, is_sharded, rank_world,
-                         shard_models)
-from common.evaluate import answer_bar
-from common.logger import RunLogger, sample_rows
-from common.models import (adapter_params, add_lora, enable_gradient_checkpointing, load_adapters, load_model,
-                           load_tokenizer, use_adapter)
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (RunControl, load_train_eval, minibatch_order, rollout_perf_metrics, sample_step, start_run,
-                        timed, update_metrics, without_samples)
-from common.testbed import render_testbed_prompt
-from common.verifiers import extract_answer, score
-from grounds import path_of
+import mada_rl_agents
+from common import checkpoint, data, dist, evaluate, logger, models, rollout, verifiers
 
 
 # ALGO LOGIC: the length reward, the MADA reward, the two advantages, the clipped objective and its normalisers
@@ -213,8 +199,8 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
     mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
-                                          float(len(mask_BC))]))
+    counts = dist.all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                               float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
 
 
@@ -224,8 +210,9 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
-    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
+    logp_BC, entropy_BC = rollout.completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
+                                                      with_entropy=True, share_prompt=args.share_prompt,
+                                                      top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
@@ -249,9 +236,9 @@ def agent_names(num_generators: int, num_critics: int) -> tuple[list[str], list[
 
 def make_agents(base, names: list[str], args: Args):
     """The base model with one fresh LoRA adapter per name (B = 0: every agent starts as the base), the first active
-    and alone trainable (common/models.py: add_lora, use_adapter, adapter_params)."""
-    model = add_lora(base, names, args.lora_r, args.lora_alpha, args.lora_target_modules)
-    use_adapter(model, names[0])
+    and alone trainable (common/models.py: add_lora; mada_rl_agents.py: use_adapter, adapter_params)."""
+    model = models.add_lora(base, names, args.lora_r, args.lora_alpha, args.lora_target_modules)
+    mada_rl_agents.use_adapter(model, names[0])
     return model
 
 
@@ -263,25 +250,17 @@ def split_problems(problems: list, k: int, seed: int) -> list[list]:
     return [unique[i::k] for i in range(k)]
 
 
-def final_answer(completion: str, problem) -> str:
-    """The final answer of a reply (what the votes count): the testbed's whole one-line reply, the extracted final
-    answer else."""
-    if problem.task == "testbed":
-        return " ".join(completion.split())[:16]
-    return extract_answer(completion, problem.task) or "(no final answer)"
-
-
 def proposal_text(completion: str, problem, tokenizer, critic_sees: str, proposal_tokens: int) -> str:
     """What a critic is shown of one proposal: the whole response, cut to its last `proposal_tokens` tokens when
     longer ('responses'), or its final answer ('answers'; on the testbed, where a reply is its answer, always).
 
-    >>> from common.testbed import Problem
+    >>> from common.problem import Problem
     >>> p = Problem(question="What is 40 + 2?", answer="42", task="nl")
     >>> proposal_text("40 + 2 = 42. The answer is 42.", p, None, "answers", 0)
     '42'
     """
     if critic_sees == "answers" or problem.task == "testbed":
-        return final_answer(completion, problem)
+        return mada_rl_agents.final_answer(completion, problem)
     ids = tokenizer(completion.strip(), add_special_tokens=False)["input_ids"]
     if proposal_tokens and len(ids) > proposal_tokens:
         return "..." + tokenizer.decode(ids[-proposal_tokens:])
@@ -293,46 +272,14 @@ def render_critic_prompt(problem, proposals: list[str], tokenizer) -> str:
     several lines is one indented list item), then the template's answer instruction. The testbed's compact prompt
     puts its Prop: lines before `Q:...\\nA:`, where its models were trained to read context (Hint:, Ref: lines)."""
     if problem.task == "testbed":  # `Prop:17\nProp:16\nQ:...\nA:`: the answer must follow A: directly
-        return "".join(f"Prop:{a}\n" for a in proposals) + render_testbed_prompt(problem.question)
+        return "".join(f"Prop:{a}\n" for a in proposals) + data.render_prompt(problem, tokenizer)
     items = ["- " + a.replace("\n", "\n  ") for a in proposals]
     shown = "Answers proposed by other agents:\n" + "\n".join(items) + "\n\n"
-    return render_prompt(problem, tokenizer, template="{question}\n\n" + shown.replace("{", "{{").replace("}", "}}")
-                         + MATH_INSTRUCTION)
-
-
-def encode_critic_prompts(tokenizer, texts: list[str], max_prompt_tokens: int) -> list[list[int]]:
-    """Token ids of critic prompts, whole: cut from the left, one would lose its question (or, on the testbed, its
-    first proposal), so one longer than --max-prompt-tokens on any rank is a one-line error on every rank."""
-    ids = encode_prompts(tokenizer, texts)
-    rank, world = rank_world()
-    longest_R = torch.zeros(world).index_fill_(0, torch.tensor([rank]), float(max(map(len, ids), default=0)))
-    longest = int(all_reduce_sum(longest_R).max().item())
-    if max_prompt_tokens and longest > max_prompt_tokens:
-        fail(f"--max-prompt-tokens {max_prompt_tokens}: a critic prompt (question, template and proposals) has "
-             f"{longest} tokens and is never cut; raise --max-prompt-tokens or lower --proposal-tokens")
-    return ids
+    template = "{question}\n\n" + shown.replace("{", "{{").replace("}", "}}") + data.MATH_INSTRUCTION
+    return data.render_prompt(problem, tokenizer, template=template)
 
 
 # Deployment: the multi-round debate
-@torch.no_grad()
-def gather_shares(share: list) -> list:
-    """Every rank passes its share items[rank::world] of one list and gets the whole list back, in its original order
-    (all_gather_object: the items are pickled). The share itself on one process.
-
-    >>> gather_shares(["a", "b"])
-    ['a', 'b']
-    """
-    world = rank_world()[1]
-    if world == 1:
-        return share
-    shares = [None] * world
-    dist.all_gather_object(shares, share)
-    out = [None] * sum(len(s) for s in shares)
-    for r, s in enumerate(shares):
-        out[r::world] = s
-    return out
-
-
 def debate(model, engine, tokenizer, problems: list, generators: list[str], critics: list[str], rounds: int,
            max_new_tokens: int, max_prompt_tokens: int = 0, critic_sees: str = "responses",
            proposal_tokens: int = 0) -> tuple[list[list[list[str]]], list[list[list[bool]]]]:
@@ -342,18 +289,18 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
     answers as they end (as common.evaluate does), cleared when done."""
     answers, cut = [], []
     total = len(problems) * (len(generators) + (rounds - 1) * len(critics))
-    bar = answer_bar(total, f"held-out debate, {len(problems)} problems", max_new_tokens)
+    bar = evaluate.answer_bar(total, f"held-out debate, {len(problems)} problems", max_new_tokens)
     engine.on_answers = bar.update  # HFEngine counts answers as they end
     for r in range(rounds):
-        texts = ([render_prompt(p, tokenizer) for p in problems] if r == 0 else
+        texts = ([data.render_prompt(p, tokenizer) for p in problems] if r == 0 else
                  [render_critic_prompt(p, [proposal_text(a[i], p, tokenizer, critic_sees, proposal_tokens)
                                            for a in answers[-1]], tokenizer)
                   for i, p in enumerate(problems)])
-        prompt_ids = (encode_prompts(tokenizer, texts, max_prompt_tokens) if r == 0 else
-                      encode_critic_prompts(tokenizer, texts, max_prompt_tokens))
+        prompt_ids = (data.encode_prompts(tokenizer, texts, max_prompt_tokens) if r == 0 else
+                      mada_rl_agents.encode_critic_prompts(tokenizer, texts, max_prompt_tokens))
         round_answers, round_cut = [], []
         for name in generators if r == 0 else critics:
-            use_adapter(model, name)
+            mada_rl_agents.use_adapter(model, name)
             out = engine.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, greedy=True)
             round_answers.append(out.texts)
             round_cut.append([bool(t) for t in out.truncated_B])
@@ -365,94 +312,40 @@ def debate(model, engine, tokenizer, problems: list, generators: list[str], crit
     return answers, cut
 
 
-def majority(answers: list[str], problem) -> str:
-    """The most common answer (ties: the one given first)."""
-    keys = [final_answer(a, problem) for a in answers]
-    best = Counter(keys).most_common(1)[0][1]
-    return next(a for a, k in zip(answers, keys) if keys.count(k) == best)
-
-
-def debate_samples(answers: list[list[list[str]]], cut: list[list[list[bool]]], problems: list,
-                   k: int) -> list[dict]:
-    """The debate of the first k problems as text for samples.jsonl: the generators' answers, the proposals the first
-    critic saw in the last round, its final answer, whether it was cut and whether it is right (with one round: the
-    first generator's)."""
-    final, final_cut = answers[-1][0][:k], cut[-1][0][:k]
-    correct = score(final, problems[:k], final_cut)
-    return [{"question": p.question, "prompt_tail": p.question[-1000:], "completion": final[i],
-             "truncated": final_cut[i], "gold": p.answer, "level": p.level, "correct": correct[i],
-             "generator_answers": [final_answer(a[i], p) for a in answers[0]],
-             "proposals": [final_answer(a[i], p) for a in answers[-2]] if len(answers) > 1 else None}
-            for i, p in enumerate(problems[:k])]
-
-
-def debate_metrics(answers: list[list[list[str]]], problems: list, num_generators: int,
-                   cut: list[list[list[bool]]] | None = None) -> dict:
-    """Held-out accuracy of a single generator, the generators' majority vote and the debate, by acc_G bucket. An
-    answer cut at max_new_tokens (`cut`, as `debate` returns it) scores 0; the votes count its text as it is.
-
-    acc_G (round 1) buckets are named acc_g_{k}of{N}: k of the N generators right.
-    improvement rate: among problems whose generator majority is wrong, the fraction of final critic answers
-    that are right; break rate: among problems whose majority is right, the fraction of final answers wrong.
-    """
-    cut = cut or [[[False] * len(problems) for _ in rnd] for rnd in answers]
-    gen_correct_NP = np.array([score(a, problems, c) for a, c in zip(answers[0], cut[0])])
-    final_correct_MP = np.array([score(a, problems, c) for a, c in zip(answers[-1], cut[-1])])
-    maj_gen_P = np.array(score([majority([a[i] for a in answers[0]], p) for i, p in enumerate(problems)], problems))
-    maj_final_P = np.array(score([majority([a[i] for a in answers[-1]], p) for i, p in enumerate(problems)], problems))
-    debate_P = final_correct_MP.mean(0)
-    out = {
-        "mada/eval/single_accuracy": float(gen_correct_NP.mean()),
-        "mada/eval/majority_accuracy": float(maj_gen_P.mean()),
-        "mada/eval/debate_accuracy": float(debate_P.mean()),
-        "mada/eval/debate_majority_accuracy": float(maj_final_P.mean()),
-        "mada/eval/improvement_rate": float(debate_P[maj_gen_P == 0].mean()) if (maj_gen_P == 0).any() else 0.0,
-        "mada/eval/break_rate": float(1 - debate_P[maj_gen_P == 1].mean()) if (maj_gen_P == 1).any() else 0.0,
-    }
-    out.update({f"mada/eval/single_accuracy/gen{n}": float(gen_correct_NP[n].mean()) for n in range(num_generators)})
-    k_P = gen_correct_NP.sum(0).round().astype(int)
-    for k in range(num_generators + 1):
-        sel = k_P == k
-        out[f"mada/eval/frac/acc_g_{k}of{num_generators}"] = float(sel.mean())
-        if sel.any():
-            out[f"mada/eval/debate_accuracy/acc_g_{k}of{num_generators}"] = float(debate_P[sel].mean())
-    out["eval/greedy_accuracy"] = out["mada/eval/debate_accuracy"]  # the curve plot's key
-    out["mada/eval/problems"] = len(problems)
-    return out
-
-
-def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, logger, step0: int,
-                stage: int, agent: int, run_eval=None, control=None) -> int:
+def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, writer, step0: int,
+                stage: int, agent: int, run_eval=None, ctrl_c=None) -> int:
     """GRPO (stage 1) or the critic policy gradient (stage 3) on one adapter; returns the last global step.
-    records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3); run_eval: for --eval-every; control:
-    main()'s RunControl, for its warning when the steps have no learning signal."""
-    rank, world = rank_world()
-    use_adapter(model, name)
-    params = list(adapter_params(model, name).values())  # under --fsdp: this rank's shards
+    records: problems (stage 1) or (problem, proposals, acc_G) tuples (stage 3); writer: main()'s RunLogger; run_eval:
+    for --eval-every; ctrl_c: main()'s Ctrl-C state (common.checkpoint.catch_ctrl_c), told the step."""
+    rank, world = dist.rank_world()
+    mada_rl_agents.use_adapter(model, name)
+    params = list(mada_rl_agents.adapter_params(model, name).values())  # under --fsdp: this rank's shards
     # ALGO LOGIC: AdamW on this adapter, warmed up linearly over --warmup-steps optimizer steps, then constant
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
-    sampler = PromptSampler(records, args.seed + 1000 * stage + agent)  # the same on every rank
+    sampler = data.PromptSampler(records, args.seed + 1000 * stage + agent)  # the same on every rank
     steps = args.generator_steps if stage == 1 else args.critic_steps
     bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=rank != 0)
     for step in bar:
+        if ctrl_c is not None:
+            ctrl_c.step = step  # mada_rl.py writes no checkpoints: a Ctrl-C quits at once, saying so
         t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts (generator: x; critic: x + proposals), each
         # rank taking its share of the world x num_prompts drawn
         batch_records = sampler.next(args.num_prompts * world)[rank::world]
         problems = batch_records if stage == 1 else [r[0] for r in batch_records]
-        texts = ([render_prompt(p, tokenizer) for p in problems] if stage == 1 else
+        texts = ([data.render_prompt(p, tokenizer) for p in problems] if stage == 1 else
                  [render_critic_prompt(p, props, tokenizer) for p, props, _ in batch_records])
-        prompt_ids = (encode_prompts(tokenizer, texts, args.max_prompt_tokens) if stage == 1 else
-                      encode_critic_prompts(tokenizer, texts, args.max_prompt_tokens))
-        with timed(times, "generate"):
+        prompt_ids = (data.encode_prompts(tokenizer, texts, args.max_prompt_tokens) if stage == 1 else
+                      mada_rl_agents.encode_critic_prompts(tokenizer, texts, args.max_prompt_tokens))
+        with logger.timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens)
 
         # 2. Rewards: R = 2 R_acc + R_len, the length term normalised within each group
-        with timed(times, "score"):
+        with logger.timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct_B = torch.tensor(score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut at the cap: 0
+            correct_B = torch.tensor(verifiers.score(rollouts.texts, group_problems, rollouts.truncated_B))  # cut: 0
             correct_PG = correct_B.view(-1, args.group_size)
             len_PG = length_reward(correct_PG, rollouts.lengths_B.view(-1, args.group_size))
             rewards_PG = args.acc_weight * correct_PG + len_PG
@@ -465,24 +358,24 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         adv_B = adv_PG.flatten()
         # every advantage 0 on every rank (the loss has no other term): the gradient is 0, yet AdamW's step still moves
         # the adapter (momentum, weight decay); --skip-zero-advantage-steps skips it (update/skipped)
-        skip = args.skip_zero_advantage_steps and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
+        skip = args.skip_zero_advantage_steps and dist.all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0
         mask_BC = rollouts.completion_mask_BC.clone()
 
         # 4. old log-probs (no grad) only when the ratio can differ from 1
-        with timed(times, "logprobs"):
+        with logger.timed(times, "logprobs"):
             needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
-                         old_logp_BC=batched_logprobs(model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt, args.top_p)
+                         old_logp_BC=rollout.batched_logprobs(model, rollouts, args.temperature,
+                                                              args.micro_batch_size, args.share_prompt, args.top_p)
                          if needs_old else None)
 
         # 5. Update of the active adapter only: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        with timed(times, "update"):
+        with logger.timed(times, "update"):
             sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
             for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
-                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
+                order = rollout.minibatch_order(args)  # --share-prompt: whole groups, as the log-prob passes took them
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
@@ -491,7 +384,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
-                    all_reduce_grads(model)  # plain data parallel (nothing to do under --fsdp)
+                    dist.all_reduce_grads(model)  # plain data parallel (nothing to do under --fsdp)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
                     optimizer.step()
                     lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
@@ -503,9 +396,9 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
             "reward/mean": rewards_PG.mean().item(), "reward/std": rewards_PG.std(unbiased=False).item(),
             "train/accuracy": correct_PG.mean().item(),
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
-                             mask_BC.sum().item() * args.num_iterations),
-            **rollout_perf_metrics(rollouts, times, args.num_iterations, args.device),
+            **logger.update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                                    mask_BC.sum().item() * args.num_iterations),
+            **logger.rollout_perf_metrics(rollouts, times, args.num_iterations, args.device),
             "mada/stage": stage, "mada/agent": agent,
             "mada/len_reward": len_PG.mean().item(), "mada/adv_mean": adv_B.mean().item(),
             "mada/correct_len": (lengths_PG * correct_PG).sum().item() / max(correct_PG.sum().item(), 1.0),
@@ -513,126 +406,63 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
         if stage == 3:
             metrics["mada/acc_g"] = acc_g_P.mean().item()
             metrics["mada/beats_generators"] = (correct_PG.mean(1) - acc_g_P).mean().item()
-        metrics = all_reduce_mean(metrics)
-        if sample_step(args, step) or (step == step0 + steps and args.log_samples > 0):  # and each agent's last step
-            metrics["samples/train"] = sample_rows(
+        metrics = dist.all_reduce_mean(metrics)
+        if logger.sample_step(args, step) or (step == step0 + steps and args.log_samples > 0):  # each agent's last too
+            metrics["samples/train"] = logger.sample_rows(
                 tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=rewards_PG.flatten(),
                 correct=correct_PG.flatten(), advantage=adv_B, agent=[name] * len(adv_B),
                 proposals=[r[1] for r in batch_records for _ in range(args.group_size)] if stage == 3 else None)
         if run_eval is not None and args.eval_every and step % args.eval_every == 0:
             metrics.update(run_eval())
-            use_adapter(model, name)  # the debate switched adapters
+            mada_rl_agents.use_adapter(model, name)  # the debate switched adapters
         metrics["perf/step_time"] = time.time() - t_step
-        logger.log(step, metrics, bar)
-        if control is not None:
-            control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
+        writer.log(step, metrics, bar)
+        writer.warn_if_stuck(step, metrics, args.max_new_tokens)  # one console line after 3 steps without signal
     return step0 + steps
 
 
 def critic_records(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[tuple]:
     """Stage 2: (problem, the generators' proposals as a critic sees them, acc_G) for each critic problem; a proposal
     cut at max_new_tokens counts as wrong in acc_G, as in training and in the debate."""
-    prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
+    prompt_ids = data.encode_prompts(tokenizer, [data.render_prompt(p, tokenizer) for p in problems],
+                                     args.max_prompt_tokens)
     outs = []
     for name in generators:
-        use_adapter(model, name)
+        mada_rl_agents.use_adapter(model, name)
         outs.append(engine.generate(prompt_ids, n=1, temperature=max(args.proposal_temperature, 1e-6), top_p=args.top_p,
                                     max_new_tokens=args.max_new_tokens, greedy=args.proposal_temperature <= 0))
-    correct_NP = np.array([score(o.texts, problems, o.truncated_B) for o in outs])
+    correct_NP = np.array([verifiers.score(o.texts, problems, o.truncated_B) for o in outs])
     return [(p, [proposal_text(o.texts[i], p, tokenizer, args.critic_sees, args.proposal_tokens) for o in outs],
              float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
 
 
-SAME_STAGE_1 = ("model_name", "dataset", "dataset_config", "train_split", "levels", "num_train_problems", "seed",
-                "num_generators", "num_critics", "generator_steps", "lora_r", "lora_alpha", "lora_target_modules")
-"""what --generators-from requires of its run: the data split (critics must not train on the generators' problems),
-the shape of the adapters and the step counter"""
-
-
-def stage_1_weights(run_dir: str, args: Args) -> list[dict]:
-    """The generators' adapter weights of a finished run (--generators-from), checked against this run's arguments."""
-    from safetensors.torch import load_file
-
-    generators = agent_names(args.num_generators, args.num_critics)[0]
-    try:
-        with open(os.path.join(run_dir, "args.json")) as f:
-            saved = json.load(f)
-        weights = [load_file(os.path.join(run_dir, "adapters", g, "adapter_model.safetensors")) for g in generators]
-    except (OSError, ValueError) as e:
-        fail(f"--generators-from {run_dir}: not a finished mada_rl.py run folder with adapters/gen* "
-             f"({type(e).__name__})")
-    now = json.loads(json.dumps({k: getattr(args, k) for k in SAME_STAGE_1}))
-    differ = [k for k in SAME_STAGE_1 if saved.get(k) != now[k]]
-    if differ:
-        fail(f"--generators-from {run_dir}: its " + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}"
-                                                              for k in differ) + " differ from this run's")
-    return weights
-
-
-def copy_generators(model, weights: list[dict], generators: list[str]) -> None:
-    """Stage 1 of another run: its generators' weights (`stage_1_weights`) into this run's fresh adapters."""
-    from peft import set_peft_model_state_dict
-
-    for g, sd in zip(generators, weights):
-        if set_peft_model_state_dict(model, sd, adapter_name=g).unexpected_keys:
-            fail(f"--generators-from: adapters/{g} does not fit this model's adapters")
-
-
-def load_run_agents(run_dir: str, args: Args, device: str):
-    """The base model of a finished run (args.json's --model-name, set in `args`) with its saved adapters."""
-    adir = os.path.join(run_dir, "adapters")
-    if not os.path.isdir(adir):
-        fail(f"--eval-debate {run_dir}: no adapters/ folder (not a finished mada_rl.py run folder)")
-    try:
-        with open(os.path.join(run_dir, "args.json")) as f:
-            args.model_name = json.load(f)["model_name"]
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        fail(f"--eval-debate {run_dir}: cannot read args.json ({type(e).__name__})")
-    names = sorted(d for d in os.listdir(adir) if os.path.isfile(os.path.join(adir, d, "adapter_config.json")))
-    generators = sorted((n for n in names if n.startswith("gen")), key=lambda s: int(s[3:]))
-    critics = sorted((n for n in names if n.startswith("critic")), key=lambda s: int(s[6:]))
-    if not generators or (args.debate_rounds > 1 and not critics):
-        fail(f"--eval-debate {run_dir}: adapters/ holds {names or 'nothing'}; need gen* and critic* adapters")
-    model = load_adapters(load_model(path_of(args.model_name), args.dtype, device), adir, generators + critics)
-    return model, generators, critics
-
-
 def main(args: Args) -> dict:
-    # setup: flags checked before any work, seeding and the run folder (common/run.py), data, agents
-    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
-    if args.resume or args.save_every or not args.save_optimizer:
-        flag = "resume" if args.resume else "save-every" if args.save_every else "no-save-optimizer"
-        fail(f"--{flag}: mada_rl.py writes no checkpoints (its three stages are "
-             "short; rerun the script, or --eval-debate RUN_DIR for the debate of a finished run)")
-    args.total_steps = args.generator_steps * args.num_generators + args.critic_steps * args.num_critics
-    check_at_least(args, 1, "num_generators", "debate_rounds")
-    if args.num_critics < 1 and args.debate_rounds > 1:
-        fail(f"--num-critics {args.num_critics}: rounds 2..{args.debate_rounds} of the debate need critics")
-    check_at_least(args, 0, "generator_steps", "critic_steps", "proposal_tokens")
-    shown = max(args.num_generators, args.num_critics if args.debate_rounds > 2 else 0)  # proposals in a critic prompt
-    budget = min(args.proposal_tokens or args.max_new_tokens, args.max_new_tokens)  # tokens of one shown response
-    if args.critic_sees == "responses" and args.max_prompt_tokens and shown * budget >= args.max_prompt_tokens:
-        fail(f"--max-prompt-tokens {args.max_prompt_tokens}: a critic prompt shows {shown} responses of up to {budget} "
-             f"tokens each (--proposal-tokens {args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}) beside "
-             "its question, and is never cut: raise --max-prompt-tokens, lower --proposal-tokens, or pass "
-             "--critic-sees answers")
-    if args.generators_from and args.eval_debate:
-        fail("--generators-from trains critics on a run's generators, --eval-debate only evaluates a run: pass one")
-    stage_1 = stage_1_weights(args.generators_from.rstrip("/"), args) if args.generators_from else None
+    # setup: flags checked before any work, seeding and the run folder, Ctrl-C, data, agents
+    rank, world, device = dist.init_distributed(args.device, args.dist_timeout_minutes)
+    shown, budget = mada_rl_agents.check_flags(args)  # proposals a critic prompt shows, and each one's token budget
+    stage_1 = mada_rl_agents.stage_1_weights(args.generators_from.rstrip("/"), args) if args.generators_from else None
+    # ALGO LOGIC: the step counter and the batch sizes (derived: another given value is an error, never replaced)
+    total_steps = args.generator_steps * args.num_generators + args.critic_steps * args.num_critics
+    if args.total_steps not in (0, total_steps):
+        fail(f"--total-steps {args.total_steps} is derived, not set: --generator-steps x --num-generators + "
+             f"--critic-steps x --num-critics = {total_steps} here; change those")
+    args.total_steps = total_steps
     check_run_args(args)
-    # ALGO LOGIC: the batch sizes
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
     args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
-    run_dir = start_run(args, rank)  # seeds python, numpy and torch; the run folder
-    control = RunControl(args, run_dir, rank, no_resume="mada_rl.py writes no checkpoints (its stages are short): "
-                         "nothing is kept; rerun the script")  # Ctrl-C: one line, no traceback, at once
-    train_problems, eval_problems = load_train_eval(args)
+    dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
+    run_dir = logger.run_folder(args, rank)
+    ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, no_resume="mada_rl.py writes no checkpoints (its stages are "
+                                     "short): nothing is kept; rerun the script")  # Ctrl-C: one line, at once
+    train_problems, eval_problems = data.load_train_eval(args)
     if len(eval_problems) < world:  # the debate and Stage 2 give every rank a share of at least one problem
         fail(f"--num-eval-problems {args.num_eval_problems}: {len(eval_problems)} held-out problems for {world} ranks")
-    if args.eval_debate:  # deployment only, from a finished run folder
-        model, generators, critics = load_run_agents(args.eval_debate.rstrip("/"), args, device)
+    if args.eval_debate:  # deployment only, from a finished run folder (its --model-name, from its args.json)
+        model, generators, critics = mada_rl_agents.load_run_agents(args.eval_debate.rstrip("/"), args, device)
+        tokenizer = models.load_tokenizer(mada_rl_agents.model_folder(args.model_name), args.system_prompt)
     else:
-        model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
+        model_path = mada_rl_agents.model_folder(args.model_name)  # grounds/ builds an embedded name's folder
+        tokenizer = models.load_tokenizer(model_path, args.system_prompt)
         generators, critics = agent_names(args.num_generators, args.num_critics)
         splits = split_problems(train_problems, args.num_generators + args.num_critics, args.seed)
         if min(len(s) for s in splits) < max(args.num_prompts, world):
@@ -641,94 +471,83 @@ def main(args: Args) -> dict:
                  + (f" or the {world} ranks" if world > args.num_prompts else ""))
         with torch.random.fork_rng():  # the same initial adapters on every rank
             torch.manual_seed(args.seed)
-            model = make_agents(load_model(model_path, args.dtype, device), generators + critics, args)
+            base = models.load_model(model_path, args.dtype, device)
+            models.mask_padded_head(base, len(tokenizer))  # no probability on LM-head rows the tokenizer lacks
+            model = make_agents(base, generators + critics, args)
         if stage_1 is not None:
-            copy_generators(model, stage_1, generators)
-            if args.gradient_checkpointing:  # the frozen base's layers recomputed in backward (LoRA gradients only)
-                enable_gradient_checkpointing(model)
-    (model,) = shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters); else unchanged
-    tokenizer = load_tokenizer(path_of(args.model_name), args.system_prompt)
+            mada_rl_agents.copy_generators(model, stage_1, generators)
+        if args.gradient_checkpointing:  # the frozen base's layers recomputed in backward (LoRA gradients only)
+            models.enable_gradient_checkpointing(model)
+    (model,) = dist.shard_models(args, model)  # --fsdp: FSDP2 per decoder layer (frozen base and adapters)
     if args.critic_sees == "responses" and args.max_prompt_tokens:  # before any training: the longest question and
         # template of a critic prompt, with every proposal at its full budget, must fit (critic prompts are never cut)
         critic_problems = (eval_problems if args.debate_rounds > 1 else []) + [
             p for s in ([] if args.eval_debate else splits[args.num_generators:]) for p in s]
-        frame = max(map(len, encode_prompts(tokenizer, [render_critic_prompt(p, [""] * shown, tokenizer)
-                                                        for p in critic_problems])), default=0)
-        if critic_problems and frame + shown * budget > args.max_prompt_tokens:
-            fail(f"--max-prompt-tokens {args.max_prompt_tokens}: a critic prompt holds its question and template (up "
-                 f"to {frame} tokens) and {shown} responses of up to {budget} tokens each (--proposal-tokens "
-                 f"{args.proposal_tokens}, --max-new-tokens {args.max_new_tokens}), and is never cut: raise "
-                 "--max-prompt-tokens, lower --proposal-tokens, or pass --critic-sees answers")
-    engine = make_engine(args, model, tokenizer, args.seed + rank)
+        mada_rl_agents.check_critic_room(tokenizer, [render_critic_prompt(p, [""] * shown, tokenizer)
+                                                     for p in critic_problems], shown, budget, args)
+    engine = rollout.make_engine(args, model, tokenizer, args.seed + rank)
 
     def run_eval():  # each rank debates its share of the problems; every rank gets every answer
         answers, cut = debate(model, engine, tokenizer, eval_problems[rank::world], generators, critics,
                               args.debate_rounds, args.max_new_tokens, args.max_prompt_tokens, args.critic_sees,
                               args.proposal_tokens)
-        answers, cut = ([[gather_shares(a) for a in rnd] for rnd in x] for x in (answers, cut))
-        return {**debate_metrics(answers, eval_problems, len(generators), cut),
-                "samples/eval": debate_samples(answers, cut, eval_problems, args.log_samples)}
+        answers, cut = ([[mada_rl_agents.gather_shares(a) for a in rnd] for rnd in x] for x in (answers, cut))
+        return {**mada_rl_agents.debate_metrics(answers, eval_problems, len(generators), cut),
+                "samples/eval": mada_rl_agents.debate_samples(answers, cut, eval_problems, args.log_samples)}
 
     if args.eval_debate:
-        res = without_samples(run_eval())
+        res = logger.without_samples(run_eval())
         if rank == 0:
-            print_table({"trained": res})
+            mada_rl_agents.print_table({"trained": res})
         return {"after": res, "run_dir": args.eval_debate}
-    per_agent = sum(p.numel() for p in adapter_params(model, generators[0]).values())
+    per_agent = sum(p.numel() for p in mada_rl_agents.adapter_params(model, generators[0]).values())
     base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     params_info = {"mada/trainable_params_per_agent": per_agent,
                    "mada/trainable_params_total": per_agent * (args.num_generators + args.num_critics),
                    "mada/base_params": base_params, "mada/split_sizes": [len(s) for s in splits]}
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    writer = logger.RunLogger(args, run_dir, enabled=rank == 0)
     t_start = time.time()
     step = args.generator_steps * args.num_generators if args.generators_from else 0  # one step counter
     first_eval = run_eval()  # untrained adapters (B = 0): every agent is the base model (--generators-from: critics)
-    logger.log(step, {**first_eval, **params_info})
-    first_eval = mid_eval = without_samples(first_eval)
+    writer.log(step, {**first_eval, **params_info})
+    first_eval = mid_eval = logger.without_samples(first_eval)
 
     # Stage 1: generators, each on its own split (--generators-from: done in that run)
     if not args.generators_from:
         for n, name in enumerate(generators):
-            step = train_agent(model, engine, tokenizer, name, splits[n], args, logger, step, 1, n, run_eval, control)
+            step = train_agent(model, engine, tokenizer, name, splits[n], args, writer, step, 1, n, run_eval, ctrl_c)
         mid_eval = run_eval()  # trained generators, untrained critics
-        logger.log(step, mid_eval)
-        mid_eval = without_samples(mid_eval)
+        writer.log(step, mid_eval)
+        mid_eval = logger.without_samples(mid_eval)
 
     # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
     stage2 = {}
     for m, name in enumerate(critics):
-        records = gather_shares(  # each rank's share of the split, then all of it on every rank
+        records = mada_rl_agents.gather_shares(  # each rank's share of the split, then all of it on every rank
             critic_records(model, engine, tokenizer, splits[args.num_generators + m][rank::world], generators, args))
         acc, N = np.array([r[2] for r in records]), args.num_generators
         stage2[f"mada/critic_data/{name}/acc_g_mean"] = float(acc.mean())
         stage2.update({f"mada/critic_data/{name}/frac_acc_g_{k}of{N}": float((np.round(acc * N) == k).mean())
                        for k in range(N + 1)})
-        step = train_agent(model, engine, tokenizer, name, records, args, logger, step, 3, m, run_eval, control)
+        step = train_agent(model, engine, tokenizer, name, records, args, writer, step, 3, m, run_eval, ctrl_c)
+    ctrl_c.step = None  # the final evaluation
     final_eval = run_eval()
     final_eval["mada/train_time_s"] = time.time() - t_start
-    logger.log(step, {**final_eval, **stage2})
-    final_eval = without_samples(final_eval)
-    logger.close()
-    adapters = {n: t.full_tensor() if is_sharded(model) else t  # every rank gathers; rank 0 writes
+    writer.log(step, {**final_eval, **stage2})
+    final_eval = logger.without_samples(final_eval)
+    writer.close()  # metrics.jsonl, samples.jsonl and curve.png complete
+    adapters = {n: t.full_tensor() if dist.is_sharded(model) else t  # every rank gathers; rank 0 writes
                 for n, t in model.state_dict().items() if "lora_" in n}
     if rank != 0:
         return {"after": final_eval, "run_dir": run_dir}
     model.save_pretrained(os.path.join(run_dir, "adapters"), state_dict=adapters)  # adapters/gen0, ..., critic{M-1}
-    print_table({"generators": mid_eval, "trained": final_eval} if args.generators_from else
-                {"base": first_eval, "generators": mid_eval, "trained": final_eval})
+    mada_rl_agents.print_table({"generators": mid_eval, "trained": final_eval} if args.generators_from else
+                               {"base": first_eval, "generators": mid_eval, "trained": final_eval})
     print(f"trainable parameters: {per_agent:,} per agent, {params_info['mada/trainable_params_total']:,} in all "
           f"({args.num_generators + args.num_critics} adapters) vs {base_params:,} for full fine-tuning of one model; "
           f"{final_eval['mada/train_time_s']:.0f} s; run folder {run_dir}")
     return {"before": first_eval, "generators": mid_eval, "after": final_eval, "stage2": stage2,
             "params": params_info, "run_dir": run_dir}
-
-
-def print_table(rows: dict) -> None:
-    keys = ("single_accuracy", "majority_accuracy", "debate_accuracy", "debate_majority_accuracy",
-            "improvement_rate", "break_rate")
-    print(f"{'held-out (greedy)':<28}" + "".join(f"{k:>14}" for k in rows))
-    for k in keys:
-        print(f"{k:<28}" + "".join(f"{r[f'mada/eval/{k}']:>14.3f}" for r in rows.values()))
 
 
 if __name__ == "__main__":

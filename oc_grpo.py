@@ -28,13 +28,9 @@ solution: ..." or "Reference solution: ..."), hint (non-prefix)
 guidance and the "replacement2" mode that swaps only correct guided samples into a group,
 and the is_weight_power knob.
 
-Metrics beyond grpo.py's (per step and rank): guide/zero_reward_groups (unguided groups whose rollouts all
-fail), guide/rescued_groups and guide/frac_rescued (= rescued / zero-reward), guide/guided_groups (groups
-trained on guided rollouts), guide/groups_at_f<f> (the histogram of chosen prefix fractions) and
-guide/fraction_mean (their mean, 0 when none), is/weight_mean, is/weight_min, is/frac_at_clamp (over the
-guided rows' tokens; 1, 1, 0 when none), time/guidance. train/accuracy is that of the unguided rollouts only
-(before any replacement); reward/* and adv/* describe the batch that is trained on; time/generate and
-perf/gen_tokens_per_s count all generation of the step, the cascade's included (which time/guidance also holds).
+Metrics beyond grpo.py's: guide/* (the cascade), is/* (the weight w over guided tokens) and time/guidance, in
+docs/oc_grpo.md. train/accuracy is that of the unguided rollouts only (before any replacement); reward/* and adv/*
+describe the batch that is trained on; time/generate counts the cascade's generation too.
 
     python oc_grpo.py                                       # embedded CPU demo on testbed level 5 (all-fail groups)
     python oc_grpo.py --model-name Qwen/Qwen2.5-1.5B-Instruct --dataset hard_train.jsonl \\
@@ -127,23 +123,11 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 import numpy as np
 import torch
 
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts, render_prompt
-from common.dist import (agree, all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed,
-                         max_over_ranks, shard_models)
-from common.evaluate import evaluator
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import attach, batched_logprobs, completion_logprobs, make_engine, split_completions
-from common.run import (RunControl, finish_run, first_evaluation, load_train_eval, minibatch_order, resume_state,
-                        rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics)
-from common.testbed import render_testbed_prompt
-from common.verifiers import format_reward, score
-from grounds import path_of
+from common import checkpoint, data, dist, evaluate, logger, models, rollout, testbed, verifiers
 
 
-# ALGO LOGIC: advantages, KL, the context-shift weight, the clipped objective, its normalisers and the sampler's
-# importance weight
+# ALGO LOGIC: advantages, KL, the context-shift weight, the clipped objective and its normalisers (--tis:
+# common.rollout.sampler_correction)
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage of each completion and whether its group had zero reward std.
 
@@ -160,7 +144,7 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
+        return centred_PG / (dist.global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
@@ -253,40 +237,9 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
     mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
-                                          float(len(mask_BC))]))
+    counts = dist.all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                               float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
-
-
-def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
-    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
-    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
-
-    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
-    ...             "token", 1.5)
-    tensor([[1.5000, 1.0000]])
-    """
-    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
-    if level == "none":
-        return torch.ones_like(log_w_BC)
-    if level == "token":
-        return log_w_BC.exp().clamp(max=cap)
-    if level == "sequence":
-        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
-    raise ValueError(f"unknown importance-sampling level {level!r}")
-
-
-def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
-    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
-    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
-    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
-    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
-    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
-    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
-    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
-                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
-                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
 
 
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
@@ -295,15 +248,16 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
-    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
+    logp_BC, entropy_BC = rollout.completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
+                                                      with_entropy=True, share_prompt=args.share_prompt,
+                                                      top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_BC"][rows].to(device),
                                           args.clip_low, args.clip_high)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
-                                                     args.tis, args.tis_cap)
+        tis_w_BC, sampler_stats = rollout.sampler_correction(
+            old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC, args.tis, args.tis_cap)
         pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
@@ -340,13 +294,13 @@ def render_guided_prompt(problem, tokenizer, prefix: str) -> str:
     a solution, without its final result: <prefix>", none when no step comes before it; other data: "Reference
     solution: <prefix>" when the prefix is all of it, else "Partial reference solution: <prefix>"."""
     if problem.task == "testbed":
-        return render_testbed_prompt(problem.question, solution_prefix=prefix)
+        return testbed.render_testbed_prompt(problem.question, solution_prefix=prefix)
     if problem.task == "nl":
         prefix = prefix[: len(before_result(problem.solution, problem.answer))].rstrip()
-        return render_prompt(problem, tokenizer, suffix=f"\n\nFirst steps of a solution, without its final result: "
-                             f"{prefix}" if prefix else "")
+        return data.render_prompt(problem, tokenizer, suffix=f"\n\nFirst steps of a solution, without its final "
+                                  f"result: {prefix}" if prefix else "")
     label = "Reference solution" if prefix == solution_prefix(problem.solution, 1.0) else "Partial reference solution"
-    return render_prompt(problem, tokenizer, suffix=f"\n\n{label}: {prefix}")
+    return data.render_prompt(problem, tokenizer, suffix=f"\n\n{label}: {prefix}")
 
 
 def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int, args: Args,
@@ -359,20 +313,20 @@ def guidance_cascade(engine, tokenizer, problems: list, todo: list[int], n: int,
     collective): a rank with none left generates one token from one prompt, discarded."""
     rescued, pending, tokens, seconds = {}, [i for i in todo if problems[i].solution], 0, 0.0
     for frac in args.prefix_fractions:
-        if agree(not pending, model):
+        if dist.agree(not pending, model):
             break
         if not pending:
-            engine.generate(encode_prompts(tokenizer, [render_prompt(problems[0], tokenizer)], args.max_prompt_tokens),
-                            n=1, max_new_tokens=1)
+            engine.generate(data.encode_prompts(tokenizer, [data.render_prompt(problems[0], tokenizer)],
+                                                args.max_prompt_tokens), n=1, max_new_tokens=1)
             continue
-        prompts = encode_prompts(tokenizer, [render_guided_prompt(problems[i], tokenizer, solution_prefix(
+        prompts = data.encode_prompts(tokenizer, [render_guided_prompt(problems[i], tokenizer, solution_prefix(
             problems[i].solution, frac)) for i in pending], args.max_prompt_tokens)
         t0 = time.time()
         out = engine.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, return_logprobs=args.rollout_backend == "vllm")
         tokens, seconds = tokens + out.lengths_B.sum().item(), seconds + time.time() - t0
-        correct = score(out.texts, [problems[i] for i in pending for _ in range(n)], out.truncated_B)
-        completions, logps = split_completions(out), sampler_rows(out)
+        correct = verifiers.score(out.texts, [problems[i] for i in pending for _ in range(n)], out.truncated_B)
+        completions, logps = rollout.split_completions(out), sampler_rows(out)
         for k, i in enumerate(pending):
             if any(correct[k * n : (k + 1) * n]):
                 rescued[i] = (frac, prompts[k], completions[k * n : (k + 1) * n], correct[k * n : (k + 1) * n],
@@ -393,10 +347,10 @@ def hint_weights(model, old_logp_BC, rows: list, guided: list[int], width: int, 
     prompt x~, completion, ...) per batch row), from one no-grad pass on [x~|y], whose completion columns are those
     of [x|y]. Under --fsdp every rank passes as many rows as the busiest one (copies of row 0, discarded), since
     each forward is a collective."""
-    padded = guided + [0] * (max_over_ranks(len(guided), model) - len(guided))
-    hint = attach([rows[b][0] for b in padded], [rows[b][1] for b in padded], pad_id, width)
-    hint_logp_BC = batched_logprobs(model, hint, args.temperature,
-                                    args.micro_batch_size, args.share_prompt, args.top_p)[: len(guided)]
+    padded = guided + [0] * (dist.max_over_ranks(len(guided), model) - len(guided))
+    hint = rollout.attach([rows[b][0] for b in padded], [rows[b][1] for b in padded], pad_id, width)
+    hint_logp_BC = rollout.batched_logprobs(model, hint, args.temperature,
+                                            args.micro_batch_size, args.share_prompt, args.top_p)[: len(guided)]
     return importance_weights(old_logp_BC[guided], hint_logp_BC, hint.completion_mask_BC[: len(guided)],
                               args.correction, args.is_clip_min), hint_logp_BC
 
@@ -411,29 +365,37 @@ def replace_groups(rows: list, rescued: dict, group_size: int) -> list:
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, data, resume)
-    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
-    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
-    ckpt = open_checkpoint(args.resume, rank, world)
+    # TRY NOT TO MODIFY: setup (flags, seeding, run folder, Ctrl-C, model, data, resume)
+    rank, world, device = dist.init_distributed(args.device, args.dist_timeout_minutes)
+    # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    check_run_args(args, tis=args.tis, eval_samples=args.eval_samples, eval_pass_k=args.eval_pass_k)
+    ckpt = checkpoint.open_checkpoint(args.resume, rank, world)
     if not args.prefix_fractions or not all(0 <= f <= 1 for f in args.prefix_fractions):
         raise SystemExit(f"error: --prefix-fractions {args.prefix_fractions}: give one or more fractions in [0, 1]")
     if not 0 < args.is_clip_min <= 1:
         raise SystemExit(f"error: --is-clip-min {args.is_clip_min} must be in (0, 1]")
-    run_dir = start_run(args, rank)
-    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
-    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
-    tokenizer = load_tokenizer(model_path, args.system_prompt)
-    train_problems, eval_problems = load_train_eval(args)
-    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model) if args.beta > 0 else None
-    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
+    dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
+    run_dir = logger.run_folder(args, rank)
+    ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, __file__, args.save_optimizer)  # Ctrl-C: one line, status 130
+    model_path = args.model_name  # a hub id or a local folder
+    if model_path.lower() in models.EMBEDDED_NAMES:  # an embedded model, built once and cached by grounds/
+        import grounds  # only then: a fork without grounds/ runs on hub ids and local folders
+        model_path = grounds.path_of(model_path)
+    tokenizer = models.load_tokenizer(model_path, args.system_prompt)
+    train_problems, eval_problems = data.load_train_eval(args)
+    model = models.load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
+    models.mask_padded_head(model, len(tokenizer))  # no probability on LM-head rows the tokenizer lacks
+    if args.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)  # each layer recomputed in backward (set before sharding)
+    ref_model = models.frozen_copy(model) if args.beta > 0 else None
+    model, ref_model = dist.shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
     args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
-    engine = make_engine(args, model, tokenizer, args.seed + rank)
+    engine = rollout.make_engine(args, model, tokenizer, args.seed + rank)
     if not any(p.solution for p in train_problems):
         raise SystemExit("error: no training problem has a reference solution, so there is nothing to guide with; "
                          "name the field with --solution-field")
@@ -446,45 +408,47 @@ def main(args: Args) -> dict:
         rows += [(train_problems[i], probe[i][0]) for i in sorted(probe)]
         if rank == 0:
             print(f"fixed guidance: {len(probe)}/{len(train_problems)} problems solvable with a prefix")
-    sampler = PromptSampler(rows, args.seed + rank)
-    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    sampler = data.PromptSampler(rows, args.seed + rank)
+    state = checkpoint.resume_state(ckpt, model, optimizer, scheduler, sampler, engine, device)
+    writer = logger.RunLogger(args, run_dir, enabled=rank == 0)
 
-    run_eval = evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
-    first_eval = first_evaluation(run_eval, state, logger)
-    bar = step_bar(args, state["step"], rank)
+    run_eval = evaluate.evaluator(engine, tokenizer, eval_problems, args)  # greedy and sampled accuracy, pass@k
+    first_eval = evaluate.first_evaluation(run_eval, state, writer)
+    bar = logger.step_bar(args, state["step"], rank)  # tqdm over range(start + 1, total_steps + 1), on rank 0
     metrics = {}
-    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
+    for step in bar:
+        ctrl_c.step = step  # a first Ctrl-C from here on stops the run after this step, saved
         t_step, times = time.time(), {}
         # 1. Rollouts: G completions for each of num_prompts prompts (fixed guidance: guided rows sample from x~)
         G = args.group_size
         items = sampler.next(args.num_prompts)
         problems, fracs = [p for p, _ in items], [f for _, f in items]
-        prompt_ids = encode_prompts(tokenizer, [render_prompt(p, tokenizer) for p in problems], args.max_prompt_tokens)
-        sample_ids = [x if f is None else encode_prompts(tokenizer, [render_guided_prompt(
+        prompt_ids = data.encode_prompts(tokenizer, [data.render_prompt(p, tokenizer) for p in problems],
+                                         args.max_prompt_tokens)
+        sample_ids = [x if f is None else data.encode_prompts(tokenizer, [render_guided_prompt(
             p, tokenizer, solution_prefix(p.solution, f))], args.max_prompt_tokens)[0]
             for x, p, f in zip(prompt_ids, problems, fracs)]
-        with timed(times, "generate"):
+        with logger.timed(times, "generate"):
             sampled = engine.generate(sample_ids, n=G, temperature=args.temperature, top_p=args.top_p,
                                       max_new_tokens=args.max_new_tokens,
                                       return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the verifier
-        with timed(times, "score"):
+        with logger.timed(times, "score"):
             group_problems = [p for p in problems for _ in range(args.group_size)]
-            correct = score(sampled.texts, group_problems, sampled.truncated_B)  # cut at the cap: 0
+            correct = verifiers.score(sampled.texts, group_problems, sampled.truncated_B)  # cut at the cap: 0
             unguided_B = torch.tensor([f is None for f in fracs]).repeat_interleave(G)
             first_correct_B = torch.tensor(correct)
 
         # ALGO LOGIC: 2b. the cascade: each unguided group whose G rollouts all fail is replaced WHOLE by the G
         # rollouts of the lowest prefix fraction with a success (no success at any fraction: it stays all-zero)
-        with timed(times, "guidance"):
+        with logger.timed(times, "guidance"):
             failed = [g for g in range(len(problems)) if fracs[g] is None and not any(correct[g * G : (g + 1) * G])]
             rescued, guide_tokens, t_guide_gen = (guidance_cascade(engine, tokenizer, problems, failed, G, args, model)
                                                   if args.guidance == "adaptive" else ({}, 0, 0.0))
             fracs = [rescued[g][0] if g in rescued else f for g, f in enumerate(fracs)]
             batch_rows = [(sample_ids[b // G], c, correct[b], lp)  # lp: the sampler's log-probs (vllm), else None
-                          for b, (c, lp) in enumerate(zip(split_completions(sampled), sampler_rows(sampled)))]
+                          for b, (c, lp) in enumerate(zip(rollout.split_completions(sampled), sampler_rows(sampled)))]
             batch_rows = replace_groups(batch_rows, {g: [(r[1], c, ok, lp) for c, ok, lp in zip(r[2], r[3], r[4])]
                                                      for g, r in rescued.items()}, G)
             guided_B = torch.tensor([f is not None for f in fracs]).repeat_interleave(G)
@@ -494,8 +458,8 @@ def main(args: Args) -> dict:
         completions = [c for _, c, _, _ in batch_rows]
         width = max(len(c[0]) for c in completions)
         hinted = args.prompt_mode == "hinted"
-        rollouts = attach([s if hinted else prompt_ids[b // G] for b, (s, *_) in enumerate(batch_rows)],
-                          completions, tokenizer.pad_token_id, width)
+        rollouts = rollout.attach([s if hinted else prompt_ids[b // G] for b, (s, *_) in enumerate(batch_rows)],
+                                  completions, tokenizer.pad_token_id, width)
         correct_B = torch.tensor([ok for _, _, ok, _ in batch_rows])
         sampler_logp_BC = None  # vllm: the sampler's log-probs of each row's tokens, in the completion columns
         if sampled.sampler_logp_BC is not None:
@@ -505,7 +469,7 @@ def main(args: Args) -> dict:
         rewards_B = correct_B.clone()
         if args.format_reward_weight:
             rewards_B += args.format_reward_weight * torch.tensor(
-                [format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
+                [verifiers.format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)])
 
         # ALGO LOGIC: 3. group-relative advantages (zero-std groups get exactly 0)
         adv_PG, zero_std_P = group_advantages(rewards_B.view(-1, args.group_size), args.adv_norm, args.adv_eps)
@@ -513,7 +477,7 @@ def main(args: Args) -> dict:
         # every advantage 0 on every rank and no KL term: the gradient is 0, yet AdamW's step still moves the weights
         # (momentum, weight decay), as in veRL and TRL; --skip-zero-advantage-steps skips it (update/skipped)
         skip = (args.skip_zero_advantage_steps and args.beta <= 0
-                and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
+                and dist.all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
@@ -521,13 +485,14 @@ def main(args: Args) -> dict:
         # 4. old and reference log-probs on [x|y] (no grad), hint log-probs on [x~|y] for guided rows, and the
         # context-shift weight w (1 on unguided rows); with one epoch and one mini-batch, rho = 1 exactly, and the
         # update's own forward gives the trainer's log-probs that a separate sampler (vllm) is compared with
-        with timed(times, "logprobs"):
+        with logger.timed(times, "logprobs"):
             needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             guided_rows = guided_B.nonzero().flatten()
-            shifted = not skip and not hinted and max_over_ranks(len(guided_rows), model) > 0  # trained off the prompt
+            shifted = not skip and not hinted and dist.max_over_ranks(len(guided_rows), model) > 0  # off the prompt
             hint_pass = shifted and (args.correction != "none" or sampler_logp_BC is not None)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
-            old_logp_BC = (batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size, args.share_prompt, args.top_p)
+            old_logp_BC = (rollout.batched_logprobs(model, rollouts, args.temperature, args.micro_batch_size,
+                                                    args.share_prompt, args.top_p)
                            if needs_old or hint_pass else None)
             w_BC = torch.ones_like(mask_BC)
             if hint_pass:  # --fsdp: on every rank when any rank has guided rows
@@ -542,15 +507,15 @@ def main(args: Args) -> dict:
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_BC=adv_BC,
                          sampler_logp_BC=sampler_logp_BC,
                          old_logp_BC=old_logp_BC if needs_old else None,
-                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt, args.top_p)
+                         ref_logp_BC=rollout.batched_logprobs(ref_model, rollouts, args.temperature,
+                                                              args.micro_batch_size, args.share_prompt, args.top_p)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        with timed(times, "update"):
+        with logger.timed(times, "update"):
             sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
             for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
-                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
+                order = rollout.minibatch_order(args)  # --share-prompt: whole groups, as the log-prob passes took them
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
@@ -559,7 +524,7 @@ def main(args: Args) -> dict:
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
-                    all_reduce_grads(model)
+                    dist.all_reduce_grads(model)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                     optimizer.step()
                     lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
@@ -574,9 +539,9 @@ def main(args: Args) -> dict:
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
             "train/accuracy": first_correct_B[unguided_B].float().mean().item() if unguided_B.any() else 0.0,
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
-                             mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
-            **rollout_perf_metrics(rollouts, times, args.num_iterations, device, gen_tokens),
+            **logger.update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                                    mask_BC.sum().item() * args.num_iterations),  # over all ranks' tokens
+            **logger.rollout_perf_metrics(rollouts, times, args.num_iterations, device, gen_tokens),
         }
         # guidance and importance-weight statistics (weights over guided tokens; 1, 1, 0 when no row is guided)
         metrics.update({
@@ -587,23 +552,29 @@ def main(args: Args) -> dict:
             **{f"guide/groups_at_f{f:g}": float(sum(x == f for x in fracs)) for f in args.prefix_fractions},
             **weight_metrics(w_BC[guided_rows][rollouts.completion_mask_BC[guided_rows] > 0], args.is_clip_min),
         })
-        metrics = all_reduce_mean(metrics)
-        if sample_step(args, step):  # a few of the step's rows as text (samples.jsonl), guided ones as trained
-            metrics["samples/train"] = sample_rows(
+        metrics = dist.all_reduce_mean(metrics)
+        if logger.sample_step(args, step):  # a few of the step's rows as text (samples.jsonl), guided ones as trained
+            metrics["samples/train"] = logger.sample_rows(
                 tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=rewards_B,
-                correct=correct_B, format=[format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)],
+                correct=correct_B,
+                format=[verifiers.format_reward(t, p.task) for t, p in zip(rollouts.texts, group_problems)],
                 advantage=adv_B, guidance_fraction=[f for f in fracs for _ in range(G)],
                 is_weight=(w_BC * mask_BC).sum(1) / mask_BC.sum(1).clamp(min=1))
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
-        logger.log(step, metrics, bar)
-        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
-        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None, scheduler,
-                            sampler, {"first_eval": first_eval})
+        writer.log(step, metrics, bar)
+        writer.warn_if_stuck(step, metrics, args.max_new_tokens)  # one console line after 3 steps without signal
+        stop = ctrl_c.stop_asked()  # a Ctrl-C on any rank: every rank stops after this step (one all-reduce)
+        if stop or step == args.total_steps or args.save_every and step % args.save_every == 0:
+            checkpoint.save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None,
+                                       scheduler, sampler, {"first_eval": first_eval})
+        if stop:
+            ctrl_c.exit_saved(bar)  # "stopped after step N (checkpoint saved); continue with: ...", status 130
 
-    final_eval = finish_run(run_eval, logger, first_eval, args.total_steps, rank, run_dir)
+    ctrl_c.step = None  # the final evaluation: a Ctrl-C quits at once
+    final_eval = evaluate.final_evaluation(run_eval, writer, first_eval, args.total_steps)  # logged, printed
+    writer.close()  # metrics.jsonl, samples.jsonl and curve.png complete
     return {"before": first_eval, "after": final_eval, "last": metrics, "run_dir": run_dir}
 
 

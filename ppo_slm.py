@@ -44,7 +44,7 @@ from typing import Literal
 
 import tyro
 
-from common.args import ExperimentArgs, check_sampling_args
+from common.args import ExperimentArgs, check_at_least, check_sampling_args
 
 
 @dataclass
@@ -180,24 +180,16 @@ if __name__ == "__main__":  # the flags parse, and --help answers, before torch 
 
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed
 
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, local_part, shard_models
-from common.evaluate import answer_bar
-from common.logger import RunLogger, read_metrics, sample_rows
-from common.models import add_lora, enable_gradient_checkpointing, load_model, load_score_model, load_tokenizer
-from common.rollout import FiniteLogits, HFEngine, batched_logprobs, position_ids, sequence_scores, token_logprobs
-from common.run import (RunControl, rollout_perf_metrics, sample_step, start_run, step_bar, timed, update_metrics,
-                        without_samples)
-from common.verifiers import score
-from grounds import path_of
-from ppo_slm_stages import build_pairs, pair_accuracy, supervised_stages
+import ppo_slm_stages as stages
+from common import checkpoint, dist, evaluate, logger, models, rollout, verifiers
 
 
 # ALGO LOGIC: scores, GAE and the PPO loss
 def verify(texts: list[str], pairs: list) -> torch.Tensor:
     """Exact-match verifier (testbed): 1.0 where the completion is the answer."""
-    return torch.tensor(score(texts, [e.problem for e in pairs]))
+    return torch.tensor(verifiers.score(texts, [e.problem for e in pairs]))
 
 
 class RunningMoments:
@@ -251,11 +243,11 @@ def policy_forward(model, ids_BT, attn_BT, prompt_len: int, temperature: float, 
     values V_t from the model's value head
     (`model.v_head` on the last hidden state) and entropies (no grad)."""
     C = ids_BT.shape[1] - prompt_len
-    out = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT),
+    out = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=rollout.position_ids(attn_BT),
                 output_hidden_states=True, use_cache=False, logits_to_keep=C + 1)  # the LM head on completions only
     # token_logprobs: log_softmax(logits / T) over the sampler's support, gathered at the completion ids, chunked
-    logp_BC, entropy_BC = token_logprobs(out.logits[:, :-1], ids_BT[:, prompt_len:], temperature, with_entropy=True,
-                                         top_p=top_p)
+    logp_BC, entropy_BC = rollout.token_logprobs(out.logits[:, :-1], ids_BT[:, prompt_len:], temperature,
+                                                 with_entropy=True, top_p=top_p)
     values_BC = model.v_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()).squeeze(-1)
     return logp_BC, values_BC, entropy_BC
 
@@ -294,11 +286,29 @@ def old_logprobs_values(policy, rollouts, args: Args, device: str) -> tuple[torc
     return torch.cat([p[0] for p in parts]).cpu() * mask_BC, torch.cat([p[1] for p in parts]).cpu() * mask_BC
 
 
-# Safety: rollback of non-finite weights, and the silent-freeze check
+# Safety: finite logits in sampling, rollback of non-finite weights, and the silent-freeze check
+class FiniteLogits:
+    """A logits guard for HFEngine (a transformers LogitsProcessor too): NaN -> -bound, +-inf -> +-bound, then clamp
+    to [-bound, bound]; `fixed` counts the non-finite logits it replaced."""
+
+    def __init__(self, bound: float = 100.0):
+        self.bound, self.fixed = bound, 0
+
+    def __call__(self, input_ids, scores):
+        self.fixed += int((~torch.isfinite(scores)).sum())
+        return torch.nan_to_num(scores, nan=-self.bound, posinf=self.bound, neginf=-self.bound).clamp(
+            -self.bound, self.bound)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP2 (DTensor) parameter, a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def all_finite(params: dict) -> bool:
     """Whether every weight is finite on every rank (--fsdp: each rank checks its own shards)."""
     n_bad = sum((~torch.isfinite(local_part(p))).sum().item() for p in params.values())
-    return all_reduce_sum(torch.tensor([float(n_bad)])).item() == 0
+    return dist.all_reduce_sum(torch.tensor([float(n_bad)])).item() == 0
 
 
 def healthy_state(params: dict, optimizer) -> tuple[dict, dict]:
@@ -322,7 +332,7 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
         raise SystemExit("error: silent LoRA freeze: the policy has no trainable language-model parameters "
                          "(only the value head trains, so the policy can never change). Loading a PEFT adapter "
                          "with PeftModel.from_pretrained leaves it frozen; use --policy-init merge_reinit.")
-    moved = all_reduce_sum(torch.tensor([sum((local_part(p.detach()) - local_part(before[n])).square().sum().item()
+    moved = dist.all_reduce_sum(torch.tensor([sum((local_part(p.detach()) - local_part(before[n])).square().sum().item()
                                              for n, p in lm_params.items())])).item() ** 0.5  # all ranks' shards
     if not moved > 0:
         raise SystemExit(f"error: silent LoRA freeze: {len(lm_params)} trainable LM tensors did not change in "
@@ -333,71 +343,81 @@ def check_not_frozen(lm_params: dict, before: dict) -> float:
 def broadcast_trainable(model) -> None:
     """Give every rank rank 0's values of the trainable parameters (the fresh LoRA and value head draw different values
     from each rank's seed); call before `shard_models`. Nothing to do on one process."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.rank_world()[1] > 1:
         for p in (p for p in model.parameters() if p.requires_grad):
-            dist.broadcast(p.data, src=0)
+            torch.distributed.broadcast(p.data, src=0)
 
 
 def main(args: Args) -> dict:
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder); stages 1 and 2 (ppo_slm_stages.py)
-    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
+    # TRY NOT TO MODIFY: setup (flags, seeding, run folder, Ctrl-C); stages 1 and 2 (ppo_slm_stages.py)
+    rank, world, device = dist.init_distributed(args.device, args.dist_timeout_minutes)
     check_sampling_args(args)
+    check_at_least(args, 0, "sft_lr", "rm_lr")  # here, before a model loads, not by AdamW after it
     if args.num_prompts % args.minibatch_size:
         raise SystemExit(f"error: num_prompts {args.num_prompts} is not divisible by minibatch_size "
                          f"{args.minibatch_size}")
+    if args.num_minibatches not in (0, args.num_prompts // args.minibatch_size):  # derived: never silently replaced
+        raise SystemExit(f"error: --num-minibatches {args.num_minibatches} is derived, not set: --num-prompts / "
+                         f"--minibatch-size = {args.num_prompts // args.minibatch_size} here; change those")
     args.num_minibatches = args.num_prompts // args.minibatch_size
-    run_dir = start_run(args, rank)
-    control = RunControl(args, run_dir, rank, no_resume=(  # kept while main() runs: Ctrl-C quits at once, one line
+    dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
+    run_dir = logger.run_folder(args, rank)
+    ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, no_resume=(  # Ctrl-C quits at once, one line
         f"ppo_slm.py has no resume; a finished stage is in {run_dir} (sft_adapter/, reward_model/): rerun with "
         "--sft-adapter or --reward-model pointing at it to skip it"))
     from peft import PeftModel
     os.makedirs(run_dir, exist_ok=True)
-    base = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
-    tokenizer = load_tokenizer(base)
-    train_ex = build_pairs(args, "train", args.num_train_examples, args.seed, tokenizer)  # ppo_slm_stages.py
-    heldout = build_pairs(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed, tokenizer)
+    base = args.model_name  # a hub id or a local folder
+    if base.lower() in models.EMBEDDED_NAMES:  # an embedded model, built once and cached by grounds/
+        import grounds  # only then: a fork without grounds/ runs on hub ids and local folders
+        base = grounds.path_of(base)
+    tokenizer = models.load_tokenizer(base)
+    train_ex = stages.build_pairs(args, "train", args.num_train_examples, args.seed, tokenizer)
+    heldout = stages.build_pairs(args, "test", max(args.num_eval_pairs, args.num_eval_prompts), args.seed, tokenizer)
     t0 = time.time()  # stages 1 and 2; sft_dir holds the SFT adapter merged into the base (reference, policy start)
-    sft_adapter, sft_dir, rm_dir = supervised_stages(args, base, tokenizer, train_ex, run_dir, rank, device)
+    sft_adapter, sft_dir, rm_dir = stages.supervised_stages(args, base, tokenizer, train_ex, run_dir, rank, device)
     t_stages = time.time() - t0
 
     # Stage 3 models: the RM (no dropout), the reference = merged SFT, the policy = merged SFT + a fresh LoRA (or the
     # naive load that freezes the SFT adapter) with a zero value head, so that it starts exactly at the SFT model
-    rm = load_score_model(rm_dir).to(device).eval().requires_grad_(False)
-    ref_model = load_model(sft_dir, args.ppo_dtype, device).eval().requires_grad_(False)
+    rm = stages.load_score_model(rm_dir).to(device).eval().requires_grad_(False)
+    ref_model = models.load_model(sft_dir, args.ppo_dtype, device).eval().requires_grad_(False)
+    backbone = models.load_model(sft_dir if args.policy_init == "merge_reinit" else base, args.ppo_dtype, device)
+    for m in (ref_model, backbone):  # their log-probs normalise over the tokenizer's rows only
+        models.mask_padded_head(m, len(tokenizer))
     if args.policy_init == "merge_reinit":
-        policy = add_lora(load_model(sft_dir, args.ppo_dtype, device), ["default"], args.lora_r, args.lora_r,
-                          args.lora_target_modules)
+        policy = models.add_lora(backbone, ["default"], args.lora_r, args.lora_r, args.lora_target_modules)
     else:
-        policy = PeftModel.from_pretrained(load_model(base, args.ppo_dtype, device), sft_adapter)
+        policy = PeftModel.from_pretrained(backbone, sft_adapter)
     if args.gradient_checkpointing:
-        enable_gradient_checkpointing(policy)
+        models.enable_gradient_checkpointing(policy)
     policy.v_head = torch.nn.Linear(policy.config.hidden_size, 1).to(device)
     torch.nn.init.zeros_(policy.v_head.weight)
     torch.nn.init.zeros_(policy.v_head.bias)
     broadcast_trainable(policy)  # the fresh LoRA draws from each rank's seed: rank 0's on every rank
-    policy, ref_model, rm = shard_models(args, policy.train(), ref_model, rm)  # --fsdp: FSDP2; otherwise unchanged
+    policy, ref_model, rm = dist.shard_models(args, policy.train(), ref_model, rm)  # --fsdp: FSDP2; otherwise unchanged
     trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     lm_params = {n: p for n, p in trainable.items() if not n.startswith("v_head")}
     optimizer = torch.optim.AdamW(trainable.values(), lr=args.learning_rate)
     healthy = healthy_state(trainable, optimizer)
     guard, moments, beta = FiniteLogits(), RunningMoments(), args.init_kl_coef
-    logger = RunLogger(args, run_dir, enabled=rank == 0, extra=("rm/score_mean",))  # curve.png: the samples' RM score
+    writer = logger.RunLogger(args, run_dir, enabled=rank == 0, extra=("rm/score_mean",))  # curve.png: RM scores too
     is_testbed = args.dataset in ("testbed", "testbed-nl")  # verifiable: a final answer to check
     eval_ex = heldout[: args.num_eval_prompts]
     eval_ids = tokenizer([e.prompt for e in eval_ex], add_special_tokens=False)["input_ids"]
 
     def generate(model, prompt_ids, guard, greedy=False, bar=None):  # one completion per prompt, through the guard
-        engine = HFEngine(model, tokenizer, logits_guard=guard)
+        engine = rollout.HFEngine(model, tokenizer, logits_guard=guard)
         engine.on_answers = bar.update if bar is not None else None  # a progress bar's answers, as they end
         return engine.generate(prompt_ids, n=1, temperature=args.temperature, top_p=args.top_p,
                                max_new_tokens=args.max_new_tokens, greedy=greedy)
 
     def run_eval(model) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
         """RM score and verifier correctness of one sample per held-out prompt, and greedy accuracy."""
-        bar = answer_bar(len(eval_ids) * (1 + is_testbed), f"held-out evaluation, {len(eval_ids)} prompts",
-                         args.max_new_tokens)
+        bar = evaluate.answer_bar(len(eval_ids) * (1 + is_testbed), f"held-out evaluation, {len(eval_ids)} prompts",
+                                  args.max_new_tokens)
         rollouts = generate(model, eval_ids, FiniteLogits(), bar=bar)
-        s_B = sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
+        s_B = stages.sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
         out, c_B = {"eval/rm_score": s_B.mean().item()}, None
         if is_testbed:
             c_B = verify(rollouts.texts, eval_ex)
@@ -406,44 +426,47 @@ def main(args: Args) -> dict:
                                                  eval_ex).mean().item()
         bar.close()
         if args.log_samples > 0:  # the sampled answers the scores are of, as text (samples.jsonl)
-            out["samples/eval"] = sample_rows(tokenizer, rollouts, [e.problem for e in eval_ex], args.log_samples,
-                                              rm_score=s_B, correct=c_B)
+            out["samples/eval"] = logger.sample_rows(tokenizer, rollouts, [e.problem for e in eval_ex],
+                                                     args.log_samples, rm_score=s_B, correct=c_B)
         return out, s_B, c_B
 
-    rm_acc = pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
-    by_kind = {f"rm/pair_accuracy/{k}": pair_accuracy(rm, tokenizer, [e for e in heldout[: args.num_eval_pairs]
-                                                                       if e.kind == k])
+    rm_acc = stages.pair_accuracy(rm, tokenizer, heldout[: args.num_eval_pairs])
+    by_kind = {f"rm/pair_accuracy/{k}": stages.pair_accuracy(rm, tokenizer, [e for e in heldout[: args.num_eval_pairs]
+                                                                             if e.kind == k])
                for k in sorted({e.kind for e in heldout[: args.num_eval_pairs]} - {""})}  # testbed-nl: step, answer
     sft_eval, sft_s_B, sft_c_B = run_eval(ref_model)
     first_eval = {"rm/pair_accuracy": rm_acc, **by_kind, "time/stages": t_stages, **sft_eval}
-    logger.log(0, first_eval)
-    first_eval, sft_eval = without_samples(first_eval), without_samples(sft_eval)
+    writer.log(0, first_eval)
+    first_eval, sft_eval = logger.without_samples(first_eval), logger.without_samples(sft_eval)
     if rank == 0:
         print(f"reward model held-out pair accuracy {rm_acc:.3f} ({t_stages:.0f} s for SFT + RM)")
     rollbacks, checked, metrics, step = 0, False, {}, 0
-    bar = step_bar(args, 0, rank)
+    bar = logger.step_bar(args, 0, rank)  # tqdm over range(1, total_steps + 1), on rank 0
     for step in bar:
+        ctrl_c.step = step  # no resume: a Ctrl-C quits at once, saying where the finished stages are
         t_step, times = time.time(), {}
         # 1. Rollouts: one completion per prompt, through the logits guard
         batch_ex = random.sample(train_ex, args.num_prompts)
         prompt_ids = tokenizer([e.prompt for e in batch_ex], add_special_tokens=False)["input_ids"]
         fixes0 = guard.fixed
-        with timed(times, "generate"):
+        with logger.timed(times, "generate"):
             rollouts = generate(policy, prompt_ids, guard)
 
         # 2. Reward-model scores (plus --rm-noise-std noise), then NaN/inf -> 0, whitening, 3-sigma clip
-        with timed(times, "score"):
-            raw_B = sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
+        with logger.timed(times, "score"):
+            raw_B = stages.sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT,
+                                           tokenizer.pad_token_id)
             raw_B = raw_B + args.rm_noise_std * torch.randn_like(raw_B)
             scores_B, n_bad = shape_scores(raw_B, moments, args)
             correct_B = verify(rollouts.texts, batch_ex) if is_testbed else None
 
         # 3. Old log-probs and values, reference log-probs (no grad)
         mask_BC, ids_BT, attn_BT = rollouts.completion_mask_BC, rollouts.input_ids_BT, rollouts.attention_mask_BT
-        with timed(times, "logprobs"):
+        with logger.timed(times, "logprobs"):
             old_logp_BC, values_BC = old_logprobs_values(policy, rollouts, args, device)
             # batched_logprobs: the reference's log_softmax(logits / T) at the completion ids, no grad, 0 past the end
-            ref_logp_BC = batched_logprobs(ref_model, rollouts, args.temperature, args.minibatch_size, top_p=args.top_p)
+            ref_logp_BC = rollout.batched_logprobs(ref_model, rollouts, args.temperature, args.minibatch_size,
+                                                   top_p=args.top_p)
 
         # ALGO LOGIC: 4. per-token rewards (KL penalty + score at the last token), GAE, whitened advantages
         kl_BC = (old_logp_BC - ref_logp_BC) * mask_BC
@@ -457,18 +480,18 @@ def main(args: Args) -> dict:
                      old_logp_BC=old_logp_BC)
 
         # 5. Update: ppo_epochs x num_minibatches optimizer steps, with the ratio guard
-        with timed(times, "update"):
+        with logger.timed(times, "update"):
             before = {n: p.detach().clone() for n, p in lm_params.items()}
             sums, grad_norms, skips, max_ratio, n_updates = {}, [], 0, 0.0, 0
             for _ in range(args.ppo_epochs):
                 for rows in torch.randperm(args.num_prompts).split(args.minibatch_size):
-                    n_tok_t = all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))  # all ranks' tokens
+                    n_tok_t = dist.all_reduce_sum(torch.tensor([mask_BC[rows].sum().item()]))  # all ranks' tokens
                     logp_BC, new_values_BC, entropy_BC = policy_forward(
                         policy, ids_BT[rows].to(device), attn_BT[rows].to(device), rollouts.prompt_len,
                         args.temperature, args.top_p)
                     loss, stats = ppo_loss(logp_BC, new_values_BC, batch, rows, args, max(n_tok_t.item(), 1.0))
                     stats["policy/entropy"] = (entropy_BC.cpu() * mask_BC[rows]).sum().item()
-                    mean_ratio = (all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()
+                    mean_ratio = (dist.all_reduce_sum(torch.tensor([stats.pop("ratio_sum")])) / n_tok_t).item()
                     max_ratio = max(max_ratio, stats.pop("max_ratio"))
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
@@ -476,7 +499,7 @@ def main(args: Args) -> dict:
                     skips += guarded  # as TRL: policy and value loss x 0, the step still taken (Adam's momentum moves)
                     optimizer.zero_grad(set_to_none=True)
                     (loss * 0.0 if guarded else loss).backward()
-                    all_reduce_grads(policy)
+                    dist.all_reduce_grads(policy)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable.values(), args.max_grad_norm).item())
                     optimizer.step()
                     n_updates += not guarded
@@ -495,7 +518,7 @@ def main(args: Args) -> dict:
                 checked = True
 
         # 6. Adaptive KL controller on the summed per-sequence KL to the reference
-        kl_ref = all_reduce_mean({"k": kl_BC.sum(1).mean().item()})["k"]
+        kl_ref = dist.all_reduce_mean({"k": kl_BC.sum(1).mean().item()})["k"]
         if args.adaptive_kl:
             error = float(np.clip(kl_ref / args.target_kl - 1, -0.2, 0.2))
             beta *= 1 + error * args.num_prompts * world / args.kl_horizon
@@ -510,21 +533,22 @@ def main(args: Args) -> dict:
             "rm/score_mean": finite_raw.mean().item() if len(finite_raw) else 0.0,
             "rm/score_std": finite_raw.std(unbiased=False).item() if len(finite_raw) else 0.0,
             "adv/mean_abs": (adv_BC.abs() * mask_BC).sum().item() / max(mask_BC.sum().item(), 1.0),
-            **update_metrics(sums, grad_norms, args.learning_rate, args.ppo_epochs * args.num_minibatches,
-                             mask_BC.sum().item() * args.ppo_epochs),
+            **logger.update_metrics(sums, grad_norms, args.learning_rate, args.ppo_epochs * args.num_minibatches,
+                                    mask_BC.sum().item() * args.ppo_epochs),
             "policy/kl_ref": kl_ref, "kl/beta": beta,
             "safety/nonfinite_scores": n_bad, "safety/logit_fixes": guard.fixed - fixes0,
             "safety/max_ratio": max_ratio, "safety/ratio_guard_skips": skips, "safety/rollbacks": rollbacks,
-            **rollout_perf_metrics(rollouts, times, args.ppo_epochs, device),
+            **logger.rollout_perf_metrics(rollouts, times, args.ppo_epochs, device),
         }
         if correct_B is not None:
             metrics["train/accuracy"] = correct_B.mean().item()
-        metrics = all_reduce_mean(metrics)
-        if sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
-            metrics["samples/train"] = sample_rows(tokenizer, rollouts, [e.problem for e in batch_ex],
-                                                   args.log_samples, rm_score=raw_B, reward=total_B, correct=correct_B)
+        metrics = dist.all_reduce_mean(metrics)
+        if logger.sample_step(args, step):  # a few of the step's rollouts as text (samples.jsonl): no extra generation
+            metrics["samples/train"] = logger.sample_rows(tokenizer, rollouts, [e.problem for e in batch_ex],
+                                                          args.log_samples, rm_score=raw_B, reward=total_B,
+                                                          correct=correct_B)
         metrics["perf/step_time"] = time.time() - t_step
-        logger.log(step, metrics, bar)
+        writer.log(step, metrics, bar)
         if stop:
             if rank == 0:
                 print(stop)
@@ -541,9 +565,9 @@ def main(args: Args) -> dict:
     if is_testbed:
         final_eval["eval/win_rate_verifier"] = ((c_B > sft_c_B).float() + 0.5 * (c_B == sft_c_B).float()).mean().item()
     final_eval["safety/rollbacks"] = rollbacks
-    logger.log(step, final_eval)
-    final_eval = without_samples(final_eval)
-    logger.close()
+    writer.log(step, final_eval)
+    final_eval = logger.without_samples(final_eval)
+    writer.close()  # metrics.jsonl, samples.jsonl and curve.png complete
     trained = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu()  # every rank: each gather a collective
                for n, t in policy.state_dict().items() if "lora_" in n or n.startswith("v_head.")}
     if rank == 0:
@@ -551,7 +575,7 @@ def main(args: Args) -> dict:
         torch.save({n[len("v_head."):]: t for n, t in trained.items() if n.startswith("v_head.")},
                    os.path.join(run_dir, "ppo_adapter", "value_head.pt"))
         # the training samples' RM score (means of the first and last 30 steps, as in docs/ppo_slm.md), then held out
-        rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        rows = logger.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
         scores = [r["rm/score_mean"] for r in rows if "rm/score_mean" in r] or [math.nan]
         k = max(1, min(30, len(scores) // 2))
         line = (f"training samples' RM score {np.mean(scores[:k]):.3f} -> {np.mean(scores[-k:]):.3f} (means of the "

@@ -1,5 +1,6 @@
 """Preference pairs and the two supervised stages that come before RLHF's PPO (ppo_slm.py): a LoRA adapter
-fine-tuned on the chosen completions (SFT), and a Bradley-Terry reward model on the SFT backbone.
+fine-tuned on the chosen completions (SFT), and a Bradley-Terry reward model on the SFT backbone; how a reward model
+is loaded and scores a batch (ppo_slm.py's PPO scores its rollouts with it).
 
     SFT:  minimise -log pi(y_w | x) over the completion tokens, LoRA with alpha = 2r
     RM:   minimise -log sigmoid(r(x, y_w) - r(x, y_l)), LoRA with alpha = 2r and a fully trained score head
@@ -23,8 +24,8 @@ from tqdm import tqdm
 
 from common.args import fail
 from common.data import load_problems, read_json_records, render_prompt
-from common.models import add_lora, load_model, load_score_model
-from common.rollout import encode_pairs, position_ids, sequence_scores
+from common.models import add_lora, disable_dropout, load_model, mask_padded_head
+from common.rollout import left_pad, position_ids
 from common.testbed import render_testbed_prompt
 
 
@@ -145,6 +146,53 @@ def build_pairs(args, split: str, n: int, seed: int, tokenizer=None) -> list[Pai
     return out
 
 
+# The reward model: loading, scoring, and the rows it scores
+def load_score_model(path: str, dtype: str = "float32"):
+    """A sequence-classification model with one score head (a reward or value model) from a causal LM's folder,
+    with dropout off: its Bradley-Terry loss and PPO's rewards would otherwise be noisy in train mode."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        disable_dropout(config)
+        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"error: could not load a score model from {path!r}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from None
+    disable_dropout(model.config, model)
+    return model
+
+
+def encode_pairs(tokenizer, prompts: list[str], completions: list[str]):
+    """Left-padded rows [prompt | completion eos] of texts: ids, attention mask and completion mask (eos included).
+
+    >>> from grounds.testbed_models import build_tokenizer
+    >>> ids_BT, attn_BT, comp_BT = encode_pairs(build_tokenizer(), ["ab", "a"], ["c", "cd"])
+    >>> attn_BT.tolist(), comp_BT.tolist()
+    ([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 1, 1], [0, 1, 1, 1]])
+    """
+    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    ids_BT, attn_BT = left_pad([p + c + [tokenizer.eos_token_id] for p, c in zip(p_ids, c_ids)],
+                               tokenizer.pad_token_id)
+    comp_BT = torch.zeros_like(attn_BT)
+    for i, c in enumerate(c_ids):
+        comp_BT[i, ids_BT.shape[1] - len(c) - 1:] = 1
+    return ids_BT, attn_BT, comp_BT
+
+
+@torch.no_grad()
+def sequence_scores(model, input_ids_BT, attention_mask_BT, pad_id: int, chunk: int = 64) -> torch.Tensor:
+    """The scalar of a sequence-classification model (a reward model) for each row, read at its last real token;
+    rows are re-packed to left padding and scored `chunk` at a time."""
+    device = next(model.parameters()).device
+    ids_BT, attn_BT = left_pad([row[m.bool()].tolist() for row, m in zip(input_ids_BT, attention_mask_BT)], pad_id)
+    out = [model(input_ids=ids_BT[s:s + chunk].to(device), attention_mask=attn_BT[s:s + chunk].to(device),
+                 position_ids=position_ids(attn_BT[s:s + chunk]).to(device)).logits[:, 0].float().cpu()
+           for s in range(0, len(ids_BT), chunk)]
+    return torch.cat(out)
+
+
 def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str):
     """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `pairs`."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
@@ -158,8 +206,9 @@ def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr:
 
 def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
     """Stage 1: LoRA (alpha = 2r) on the chosen completions, next-token loss on the completion tokens."""
-    model = add_lora(load_model(base, "float32", device), ["default"], args.sft_lora_r, 2 * args.sft_lora_r,
-                     args.lora_target_modules)
+    backbone = load_model(base, "float32", device)
+    mask_padded_head(backbone, len(tokenizer))  # the loss normalises over the tokenizer's rows only
+    model = add_lora(backbone, ["default"], args.sft_lora_r, 2 * args.sft_lora_r, args.lora_target_modules)
 
     def loss_fn(batch):
         ids_BT, attn_BT, comp_BT = encode_pairs(tokenizer, [e.prompt for e in batch], [e.chosen for e in batch])

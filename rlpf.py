@@ -59,7 +59,6 @@ its affine drift recalibration (references are re-timed in the same rounds inste
 Shapes: B rows (= P tasks x G group), T tokens per row, C completion tokens.
 """
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -175,23 +174,13 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
     ARGS = tyro.cli(Args)
 
-import numpy as np
 import torch
 
-from code_env import sandbox
-from code_env.tasks import calibrate, check_timing_inputs, extract_program, judge, render_code_prompt, select_tasks
-from common.checkpoint import open_checkpoint, save_checkpoint
-from common.data import PromptSampler, encode_prompts
-from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, global_std, init_distributed, shard_models
-from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_policy, load_tokenizer
-from common.rollout import batched_logprobs, completion_logprobs, make_engine
-from common.run import (RunControl, first_evaluation, minibatch_order, resume_state, rollout_perf_metrics, sample_step,
-                        start_run, step_bar, timed, update_metrics, without_samples)
-from grounds import path_of
+from code_env import judge, tasks
+from common import checkpoint, data, dist, evaluate, logger, models, rollout
 
 
-# ALGO LOGIC: rewards (ALGORITHMS.md section 7.2 for RLPF, 7.3 for DMC)
+# ALGO LOGIC: rewards (RLPF, arXiv 2607.27271; DMC-Optim, arXiv 2607.25970; docs/rlpf.md "The reward and the objective")
 LADDER = {"no_program": -0.05, "compile_error": 0.0, "runtime_error": 0.05, "timeout": 0.05, "memory_limit": 0.05,
           "wrong_output": 0.10}
 """s(sigma): failures ranked by how far the program got (no program < does not compile < fails to run < wrong)."""
@@ -294,7 +283,7 @@ def program_reward(kind: str, status: str, t_c: float | None, t_b: float, t_r: f
     raise ValueError(f"unknown reward {kind!r}")
 
 
-# ALGO LOGIC: advantages, KL, the clipped objective, its normalisers and the sampler's importance weight
+# ALGO LOGIC: advantages, KL, the clipped objective and its normalisers (--tis: common.rollout.sampler_correction)
 def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantage of each completion and whether its group had zero reward std.
 
@@ -311,7 +300,7 @@ def group_advantages(rewards_PG: torch.Tensor, mode: str, eps: float) -> tuple[t
     if mode == "group_mean":
         return centred_PG, zero_std_P
     if mode == "batch_std":
-        return centred_PG / (global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
+        return centred_PG / (dist.global_std(rewards_PG) + eps), zero_std_P  # the std of all ranks' rewards
     raise ValueError(f"unknown advantage normalisation {mode!r}")
 
 
@@ -356,40 +345,9 @@ def minibatch_counts(mask_BC: torch.Tensor) -> tuple[float, float, float]:
     """Loss normalisers of a whole mini-batch, summed over ranks: (completion tokens in the loss, sequences with at
     least one such token, sequences). Fixed before gradient accumulation, so micro-batch gradients sum to the
     mini-batch gradient whatever the split."""
-    counts = all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
-                                          float(len(mask_BC))]))
+    counts = dist.all_reduce_sum(torch.tensor([mask_BC.sum().item(), float((mask_BC.sum(1) > 0).sum()),
+                                               float(len(mask_BC))]))
     return counts[0].item(), counts[1].item(), counts[2].item()
-
-
-def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
-    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
-    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
-
-    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
-    ...             "token", 1.5)
-    tensor([[1.5000, 1.0000]])
-    """
-    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
-    if level == "none":
-        return torch.ones_like(log_w_BC)
-    if level == "token":
-        return log_w_BC.exp().clamp(max=cap)
-    if level == "sequence":
-        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
-    raise ValueError(f"unknown importance-sampling level {level!r}")
-
-
-def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
-    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
-    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
-    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
-    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
-    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
-    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
-    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
-                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
-                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
 
 
 def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts: tuple[float, float, float]):
@@ -398,15 +356,16 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     ids_BT, attn_BT = batch["input_ids_BT"][rows].to(device), batch["attention_mask_BT"][rows].to(device)
     mask_BC = batch["mask_BC"][rows].to(device)
     # completion_logprobs: log_softmax(logits / T) gathered at the completion ids, chunked for memory
-    logp_BC, entropy_BC = completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
-                                              with_entropy=True, share_prompt=args.share_prompt, top_p=args.top_p)
+    logp_BC, entropy_BC = rollout.completion_logprobs(model, ids_BT, attn_BT, batch["prompt_len"], args.temperature,
+                                                      with_entropy=True, share_prompt=args.share_prompt,
+                                                      top_p=args.top_p)
     old_logp_BC = batch["old_logp_BC"][rows].to(device) if batch["old_logp_BC"] is not None else logp_BC.detach()
     pg_BC, clipped_BC = clipped_surrogate(logp_BC, old_logp_BC, batch["adv_B"][rows].to(device),
                                           args.clip_low, args.clip_high)
     sampler_stats = {}
     if batch.get("sampler_logp_BC") is not None:  # a separate sampler (vllm): its mismatch with the trainer, --tis
-        tis_w_BC, sampler_stats = sampler_correction(old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC,
-                                                     args.tis, args.tis_cap)
+        tis_w_BC, sampler_stats = rollout.sampler_correction(
+            old_logp_BC, batch["sampler_logp_BC"][rows].to(device), mask_BC, args.tis, args.tis_cap)
         pg_BC = pg_BC * tis_w_BC  # w = min(pi_trainer / pi_sampler, C) per token or sequence (--tis none: 1)
     token_loss_BC = pg_BC
     kl_BC = torch.zeros_like(pg_BC)
@@ -427,180 +386,66 @@ def micro_batch_loss(model, batch: dict, rows: torch.Tensor, args: Args, counts:
     return loss, stats
 
 
-# Judging: programs -> verdicts (sandbox) -> rewards and code metrics
-def limits_of(args: Args) -> sandbox.Limits:
-    return sandbox.Limits(call_s=args.call_timeout, memory_mb=args.memory_mb)
-
-
-def check_timing_args(args: Args) -> None:
-    """The judging flags: a one-line error for a value that cannot time or judge anything."""
-    factors = ("confirm_band", "min_noise_floor", "noise_floor_margin", "rbr_tolerance")  # factors on a time: >= 1
-    for name in ("timing_repeats", "calibration_scorings", "memory_mb", *factors):
-        if not getattr(args, name) >= 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
-    if not args.call_timeout > 0:
-        raise SystemExit(f"error: --call-timeout {args.call_timeout} must be a positive number of seconds")
-
-
-def calibration_of(task, args: Args) -> dict:
-    """The task's timing calibration (code_env/tasks.py `calibrate`; measured once per run, then cached)."""
-    return calibrate(task, limits_of(args), args.timing_repeats, args.calibration_scorings, args.noise_floor_margin,
-                     least=args.min_noise_floor)
-
-
-def calibrate_timing(tasks: list, args: Args) -> dict:
-    """Calibrate every task at start and print one line each: the speed-ups the references' copies got against
-    the references, and the noise floors that follow."""
-    floors = {}
-    for task in dict((t.name, t) for t in tasks).values():
-        c = calibration_of(task, args)
-        floors[task.name] = c["floors"]
-        print(f"timing calibration {task.name}: copy of the slow baseline "
-              f"{' '.join(f'{x:.3f}' for x in c['slow_self'])} -> noise floor {c['floors'][0]:.3f}; copy of the "
-              f"fast reference {' '.join(f'{x:.3f}' for x in c['fast_self'])} -> {c['floors'][1]:.3f} "
-              f"({c['seconds']:.1f} s)")
-    return floors
-
-
-def judge_programs(tasks: list, programs: list, args: Args) -> tuple[list, dict]:
-    """Judge each program on its task; each task's programs and its two references are timed together.
-    Returns per-program (verdict, T_b, T_r), each verdict carrying its task's noise floors (verdict.floors), and
-    the references' timing spread (noise) and noise floors."""
-    out, spreads, floors = [None] * len(programs), [], []
-    for name in dict.fromkeys(t.name for t in tasks):
-        rows = [i for i, t in enumerate(tasks) if t.name == name]
-        task_floors = calibration_of(tasks[rows[0]], args)["floors"]
-        r = judge(tasks[rows[0]], [programs[i] for i in rows], limits_of(args), args.timing_repeats,
-                  time_wrong_outputs=args.reward == "speed_ungated", confirm_floor=task_floors[0],
-                  confirm_band=args.confirm_band)
-        for i, v in zip(rows, r["verdicts"]):
-            v.floors = task_floors
-            out[i] = (v, r["slow"].runtime, r["fast"].runtime)
-        spreads += [sandbox.noise(r["slow"].times), sandbox.noise(r["fast"].times)]
-        floors.append(task_floors)
-    return out, {"timing/reference_noise": float(np.median(spreads)),
-                 "timing/noise_floor": float(np.median([f[0] for f in floors])),
-                 "timing/noise_floor_fast": float(np.median([f[1] for f in floors]))}
-
-
-def code_metrics(judged: list, prefix: str) -> dict:
-    """Over judged programs: pass rate; among correct ones, the fraction at least 2x faster than the slow baseline
-    (fast_frac) and the rest (slow_correct_frac, Slow/CRR), the mean speed-up T_b / T_c; CGRE; status histogram."""
-    correct = [(v, tb, tr) for v, tb, tr in judged if v.status == "correct"]
-    faster = [tb / v.runtime >= 2 for v, tb, tr in correct]  # clearly faster: a rewrite of the baseline ties with it
-    m = {f"{prefix}pass_rate": len(correct) / max(len(judged), 1),
-         f"{prefix}fast_frac": float(np.mean(faster)) if correct else 0.0,
-         f"{prefix}slow_correct_frac": 1 - float(np.mean(faster)) if correct else 0.0,
-         f"{prefix}mean_speedup": float(np.mean([tb / v.runtime for v, tb, tr in correct])) if correct else 0.0,
-         f"{prefix}cgre": float(np.mean([min(max((tb - v.runtime) / (tb - tr), 0), 1) if v.status == "correct" else 0
-                                         for v, tb, tr in judged]))}
-    for s in sandbox.STATUSES:
-        m[f"{prefix}status/{s}"] = sum(v.status == s for v, _, _ in judged) / max(len(judged), 1)
-    return m
-
-
-def evaluate_code(engine, tokenizer, tasks: list, args: Args) -> dict:
-    """One greedy and --eval-samples sampled programs per task, judged; eval/greedy_* and eval/* metrics."""
-    prompt_ids = encode_prompts(tokenizer, [render_code_prompt(t, tokenizer) for t in tasks])
-    greedy = engine.generate(prompt_ids, n=1, max_new_tokens=args.max_new_tokens, greedy=True)
-    judged = judge_programs(tasks, [extract_program(x, t.entry) for x, t in zip(greedy.texts, tasks)], args)[0]
-    out = code_metrics(judged, "eval/greedy_")
-    if args.log_samples > 0:
-        out["samples/eval"] = sample_rows(tokenizer, greedy, tasks, args.log_samples, **verdict_fields(judged))
-    if args.eval_samples > 0:
-        sampled = engine.generate(prompt_ids, n=args.eval_samples, temperature=args.temperature,
-                                  max_new_tokens=args.max_new_tokens)
-        rep = [t for t in tasks for _ in range(args.eval_samples)]
-        judged, noise = judge_programs(rep, [extract_program(x, t.entry) for x, t in zip(sampled.texts, rep)], args)
-        out.update(code_metrics(judged, "eval/"))
-        out["eval/reference_noise"] = noise["timing/reference_noise"]
-    return out
-
-
-def verdict_fields(judged: list) -> dict:
-    """Per program, for samples.jsonl: the task, the sandbox's status and message, and the speed-up T_b / T_c."""
-    return {"status": [v.status for v, _, _ in judged], "message": [v.message[:200] for v, _, _ in judged],
-            "speedup": [tb / v.runtime if v.status == "correct" and v.runtime else None for v, tb, _ in judged]}
-
-
-def score_file(args: Args) -> dict:
-    """--score-file: judge one program, print one JSON line, return it. Exits 0 whatever the program does."""
-    tasks = {t.name: t for t in select_tasks(args.dataset, args.tasks)}
-    if args.task not in tasks:
-        raise SystemExit(f"error: --task {args.task}: no such task (have {sorted(tasks)})")
-    task = tasks[args.task]
-    check_timing_inputs([task], args.timing_repeats)
-    try:
-        with open(args.score_file, errors="replace") as f:
-            source = f.read(1 << 20)
-    except OSError as e:
-        raise SystemExit(f"error: --score-file {args.score_file}: {e.strerror}") from None
-    floors = calibration_of(task, args)["floors"]
-    r = judge(task, [extract_program(source, task.entry)], limits_of(args), args.timing_repeats,
-              confirm_floor=floors[0], confirm_band=args.confirm_band)
-    v, t_b, t_r = r["verdicts"][0], r["slow"].runtime, r["fast"].runtime
-    line = {"task": task.name, "status": v.status, "message": v.message, "runtime": v.runtime,
-            "slow_runtime": t_b, "fast_runtime": t_r, "speedup": t_b / v.runtime if v.runtime else None,
-            "credited_speedup": credited_speedup(t_b / v.runtime, floors[0]) if v.runtime else None,
-            "noise_floors": list(floors), "clock": v.clock or None, "second_speedup": v.second_speedup,
-            "reward": staged_reward(v.status, v.runtime, t_b, t_r, args.rbr_tolerance, floors),
-            "isolation": sandbox.isolation()}
-    print(json.dumps(line))
-    return line
-
-
 def main(args: Args) -> dict:
-    check_timing_args(args)
-    if args.score_file:
-        return score_file(args)
-    # TRY NOT TO MODIFY: setup (common/run.py: seeding, run folder, resume)
-    rank, world, device = init_distributed(args.device, args.dist_timeout_minutes)
-    check_run_args(args)  # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
-    ckpt = open_checkpoint(args.resume, rank, world)
-    run_dir = start_run(args, rank)
-    control = RunControl(args, run_dir, rank, ckpt)  # Ctrl-C: one line, no traceback; in the loop: save the step, stop
-    model_path = path_of(args.model_name)  # an embedded name -> its cached folder (built once); others unchanged
-    tokenizer = load_tokenizer(model_path)
-    train_tasks = select_tasks(args.dataset, args.tasks)
-    check_timing_inputs(train_tasks, args.timing_repeats)
+    judge.check_timing_args(args)
+    if args.score_file:  # the side mode: judge one program (code_env/judge.py), print one JSON line
+        return judge.score_file(args, staged_reward, credited_speedup)
+    # TRY NOT TO MODIFY: setup (flags, seeding, run folder, Ctrl-C, tasks, model, resume)
+    rank, world, device = dist.init_distributed(args.device, args.dist_timeout_minutes)
+    # contradicting flags and a --resume folder that cannot be resumed fail here, before any work
+    check_run_args(args, tis=args.tis)
+    ckpt = checkpoint.open_checkpoint(args.resume, rank, world)
+    dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
+    run_dir = logger.run_folder(args, rank)
+    ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, __file__, args.save_optimizer)  # Ctrl-C: one line, status 130
+    model_path = args.model_name  # a hub id or a local folder
+    if model_path.lower() in models.EMBEDDED_NAMES:  # an embedded model, built once and cached by grounds/
+        import grounds  # only then: a fork without grounds/ runs on hub ids and local folders
+        model_path = grounds.path_of(model_path)
+    tokenizer = models.load_tokenizer(model_path)
+    train_tasks = tasks.select_tasks(args.dataset, args.tasks)
+    tasks.check_timing_inputs(train_tasks, args.timing_repeats)
     eval_tasks = train_tasks  # the same tasks: the evaluation measures the policy, not generalisation
-    print(f"sandbox isolation: {sandbox.isolation()}")
-    calibrate_timing(train_tasks, args)  # each task's noise floors, measured once before any program is judged
-    model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
-    ref_model = frozen_copy(model) if args.beta > 0 else None
-    model, ref_model = shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
+    judge.calibrate_timing(train_tasks, args)  # each task's noise floors, measured once before any program is judged
+    model = models.load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
+    models.mask_padded_head(model, len(tokenizer))  # no probability on LM-head rows the tokenizer lacks
+    if args.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)  # each layer recomputed in backward (set before sharding)
+    ref_model = models.frozen_copy(model) if args.beta > 0 else None
+    model, ref_model = dist.shard_models(args, model, ref_model)  # --fsdp: FSDP2; otherwise unchanged
     # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)
     args.minibatch_size = args.batch_size // args.num_minibatches  # rollouts per optimizer step (check_run_args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     # TRY NOT TO MODIFY: the prompt sampler, the rollout engine, resume and the logger
-    sampler = PromptSampler(train_tasks, args.seed + rank)
-    engine = make_engine(args, model, tokenizer, args.seed + rank)
-    state = resume_state(ckpt, model, optimizer, scheduler, sampler, engine, args, device)
-    logger = RunLogger(args, run_dir, enabled=rank == 0)
+    sampler = data.PromptSampler(train_tasks, args.seed + rank)
+    engine = rollout.make_engine(args, model, tokenizer, args.seed + rank)
+    state = checkpoint.resume_state(ckpt, model, optimizer, scheduler, sampler, engine, device)
+    writer = logger.RunLogger(args, run_dir, enabled=rank == 0)
 
-    def run_eval():
-        return evaluate_code(engine, tokenizer, eval_tasks, args)
+    def run_eval():  # one greedy and --eval-samples sampled programs per task, judged (code_env/judge.py)
+        return judge.evaluate_code(engine, tokenizer, eval_tasks, args)
 
-    first_eval = first_evaluation(run_eval, state, logger)
-    bar = step_bar(args, state["step"], rank)
+    first_eval = evaluate.first_evaluation(run_eval, state, writer)
+    bar = logger.step_bar(args, state["step"], rank)  # tqdm over range(start + 1, total_steps + 1), on rank 0
     metrics = {}
-    for step in control.steps(bar):  # a Ctrl-C ends the loop after the step's checkpoint (exit status 130)
+    for step in bar:
+        ctrl_c.step = step  # a first Ctrl-C from here on stops the run after this step, saved
         t_step, times = time.time(), {}
         # 1. Rollouts: G programs for each of num_prompts tasks
-        tasks = sampler.next(args.num_prompts)
-        prompt_ids = encode_prompts(tokenizer, [render_code_prompt(t, tokenizer) for t in tasks])
-        with timed(times, "generate"):
+        problems = sampler.next(args.num_prompts)
+        prompt_ids = data.encode_prompts(tokenizer, [tasks.render_code_prompt(t, tokenizer) for t in problems])
+        with logger.timed(times, "generate"):
             rollouts = engine.generate(prompt_ids, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens,
                                        return_logprobs=args.rollout_backend == "vllm")
 
         # 2. Rewards from the sandbox: run, check and time every program against the re-timed references
-        with timed(times, "score"):
-            group_tasks = [t for t in tasks for _ in range(args.group_size)]
-            programs = [extract_program(x, t.entry) for x, t in zip(rollouts.texts, group_tasks)]
-            judged, timing_stats = judge_programs(group_tasks, programs, args)
+        with logger.timed(times, "score"):
+            group_problems = [t for t in problems for _ in range(args.group_size)]
+            programs = [tasks.extract_program(x, t.entry) for x, t in zip(rollouts.texts, group_problems)]
+            judged, timing_stats = judge.judge_programs(group_problems, programs, args)
             rewards_B = torch.tensor([program_reward(args.reward, v.status, v.runtime, t_b, t_r, args.rbr_tolerance,
                                                      v.floors) for v, t_b, t_r in judged])
             correct_B = torch.tensor([float(v.status == "correct") for v, _, _ in judged])
@@ -611,7 +456,7 @@ def main(args: Args) -> dict:
         # every advantage 0 on every rank and no KL term: the gradient is 0, yet AdamW's step still moves the weights
         # (momentum, weight decay), as in veRL and TRL; --skip-zero-advantage-steps skips it (update/skipped)
         skip = (args.skip_zero_advantage_steps and args.beta <= 0
-                and all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
+                and dist.all_reduce_sum(torch.count_nonzero(adv_B).float()).item() == 0)
         mask_BC = rollouts.completion_mask_BC.clone()
         if args.filter_zero_std:
             mask_BC *= (~zero_std_P).repeat_interleave(args.group_size).float().unsqueeze(1)
@@ -619,24 +464,24 @@ def main(args: Args) -> dict:
         # 4. old and reference log-probs (no grad); with one epoch and one mini-batch, rho = 1 exactly,
         # and the update's own forward gives the trainer's log-probs that a separate sampler (vllm) is
         # compared with, so that comparison costs no extra pass.
-        with timed(times, "logprobs"):
+        with logger.timed(times, "logprobs"):
             needs_old = not skip and (args.num_iterations > 1 or args.num_minibatches > 1)
             # batched_logprobs: completion_logprobs without grad, micro_batch_size rows at a time, 0 past the end
             batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                          prompt_len=rollouts.prompt_len, mask_BC=mask_BC, adv_B=adv_B,
                          sampler_logp_BC=rollouts.sampler_logp_BC,
-                         old_logp_BC=batched_logprobs(model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt, args.top_p)
+                         old_logp_BC=rollout.batched_logprobs(model, rollouts, args.temperature,
+                                                              args.micro_batch_size, args.share_prompt, args.top_p)
                          if needs_old else None,
-                         ref_logp_BC=batched_logprobs(ref_model, rollouts, args.temperature,
-                                                      args.micro_batch_size, args.share_prompt, args.top_p)
+                         ref_logp_BC=rollout.batched_logprobs(ref_model, rollouts, args.temperature,
+                                                              args.micro_batch_size, args.share_prompt, args.top_p)
                          if ref_model is not None else None)
 
         # 5. Update: num_iterations epochs x num_minibatches optimizer steps, micro-batched
-        with timed(times, "update"):
+        with logger.timed(times, "update"):
             sums, grad_norms, lr = {}, [], scheduler.get_last_lr()[0]
             for _ in range(0 if skip else args.num_iterations):  # skipped: no optimizer step, the schedule stays
-                order = minibatch_order(args)  # with --share-prompt: whole groups, so both passes share their prompts
+                order = rollout.minibatch_order(args)  # --share-prompt: whole groups, as the log-prob passes took them
                 for mb in order.split(args.minibatch_size):
                     counts = minibatch_counts(mask_BC[mb])  # normalisers of the whole mini-batch, all ranks
                     optimizer.zero_grad(set_to_none=True)
@@ -645,7 +490,7 @@ def main(args: Args) -> dict:
                         loss.backward()
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
-                    all_reduce_grads(model)
+                    dist.all_reduce_grads(model)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item())
                     optimizer.step()
                     lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
@@ -657,30 +502,35 @@ def main(args: Args) -> dict:
         # other sums (the vllm sampler's rollout/* included) are over tokens
         metrics = {
             "reward/mean": rewards_B.mean().item(), "reward/std": rewards_B.std(unbiased=False).item(),
-            "train/accuracy": correct_B.mean().item(), **code_metrics(judged, "train/"), **timing_stats,
+            "train/accuracy": correct_B.mean().item(), **judge.code_metrics(judged, "train/"), **timing_stats,
             "adv/frac_zero_std": zero_std_P.float().mean().item(), "adv/mean_abs": adv_B.abs().mean().item(),
-            **update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
-                             mask_BC.sum().item() * args.num_iterations),
-            **rollout_perf_metrics(rollouts, times, args.num_iterations, device),
+            **logger.update_metrics(sums, grad_norms, lr, args.num_iterations * args.num_minibatches,
+                                    mask_BC.sum().item() * args.num_iterations),
+            **logger.rollout_perf_metrics(rollouts, times, args.num_iterations, device),
         }
-        metrics = all_reduce_mean(metrics)
-        if sample_step(args, step):  # a few of the step's programs as text (samples.jsonl), with their verdicts
-            metrics["samples/train"] = sample_rows(
-                tokenizer, rollouts, group_tasks, args.log_samples, args.group_size, reward=rewards_B,
-                correct=correct_B, advantage=adv_B, task=[t.name for t in group_tasks], **verdict_fields(judged))
+        metrics = dist.all_reduce_mean(metrics)
+        if logger.sample_step(args, step):  # a few of the step's programs as text (samples.jsonl), with their verdicts
+            metrics["samples/train"] = logger.sample_rows(
+                tokenizer, rollouts, group_problems, args.log_samples, args.group_size, reward=rewards_B,
+                correct=correct_B, advantage=adv_B, task=[t.name for t in group_problems],
+                **judge.verdict_fields(judged))
         if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
             metrics.update(run_eval())
         metrics["perf/step_time"] = time.time() - t_step
-        logger.log(step, metrics, bar)
-        control.warn_if_stuck(step, metrics)  # one console line after 3 steps in a row without learning signal
-        if control.save_due(step):  # --save-every, the last step, a Ctrl-C (agreed by every rank): each its own state
-            save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None, scheduler,
-                            sampler, {"first_eval": first_eval})
+        writer.log(step, metrics, bar)
+        writer.warn_if_stuck(step, metrics, args.max_new_tokens)  # one console line after 3 steps without signal
+        stop = ctrl_c.stop_asked()  # a Ctrl-C on any rank: every rank stops after this step (one all-reduce)
+        if stop or step == args.total_steps or args.save_every and step % args.save_every == 0:
+            checkpoint.save_checkpoint(run_dir, step, model, tokenizer, optimizer if args.save_optimizer else None,
+                                       scheduler, sampler, {"first_eval": first_eval})
+        if stop:
+            ctrl_c.exit_saved(bar)  # "stopped after step N (checkpoint saved); continue with: ...", status 130
 
+    ctrl_c.step = None  # the final evaluation: a Ctrl-C quits at once
     final_eval = run_eval()
-    logger.log(args.total_steps, final_eval)
-    final_eval = without_samples(final_eval)
-    logger.close()
+    writer.log(args.total_steps, final_eval)
+    final_eval = logger.without_samples(final_eval)
+    writer.close()  # metrics.jsonl, samples.jsonl and curve.png complete
     if rank == 0:
         for key, what in (("eval/pass_rate", "sampled pass rate"),
                           ("eval/fast_frac", "correct programs at least 2x faster than the slow baseline"),

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mada_rl  # noqa: E402
+import mada_rl_agents  # noqa: E402
 from common.data import load_problems  # noqa: E402
 from common.logger import RunLogger  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
@@ -46,7 +47,7 @@ def run_seed(args: mada_rl.Args, out_dir: str) -> dict:
     base = load_model(path_of(args.model_name), args.dtype, args.device)
     base_params = sum(p.numel() for p in base.parameters())
     model = mada_rl.make_agents(base, gens + critics + ablated, args)
-    per_agent = sum(p.numel() for p in mada_rl.adapter_params(model, gens[0]).values())
+    per_agent = sum(p.numel() for p in mada_rl_agents.adapter_params(model, gens[0]).values())
     engine = make_engine(args, model, tokenizer, args.seed)
     logger = RunLogger(args, os.path.join(out_dir, f"seed{args.seed}"))
 
@@ -54,7 +55,7 @@ def run_seed(args: mada_rl.Args, out_dir: str) -> dict:
         answers, cut = mada_rl.debate(model, engine, tokenizer, heldout, gens, critic_set, args.debate_rounds,
                                       args.max_new_tokens, args.max_prompt_tokens, args.critic_sees,
                                       args.proposal_tokens)
-        return mada_rl.debate_metrics(answers, heldout, len(gens), cut)
+        return mada_rl_agents.debate_metrics(answers, heldout, len(gens), cut)
 
     t0 = time.time()
     res = {"base": metrics(critics)}

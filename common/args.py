@@ -99,8 +99,8 @@ class RunArgs(ExperimentArgs):
     cache for the group's rows: the prompt costs 1/G of a forward and backward (on SmolLM2 with 80-token prompts,
     benchmarks/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit, so every
     pass of a step takes the same path: with several mini-batches the update shuffles whole groups
-    (common.run.minibatch_order). It needs a group's rows in one micro-batch and one mini-batch (--micro-batch-size a
-    multiple of --group-size, --num-minibatches a divisor of --num-prompts), else a piece of one row takes the plain
+    (common.rollout.minibatch_order). It needs a group's rows in one micro-batch and one mini-batch (--micro-batch-size
+    a multiple of --group-size, --num-minibatches a divisor of --num-prompts), else a piece of one row takes the plain
     forward (ratio not 1 at lr 0); with --gradient-checkpointing it could not share (no KV cache). Both are errors"""
 
     # Filled in at runtime (derived: set --num-prompts, --group-size, --num-minibatches; another value is an error)
@@ -186,18 +186,19 @@ def check_sampling_args(args) -> None:
     if not 0 < args.top_p <= 1:
         fail(f"--top-p {args.top_p} must be in (0, 1] (1 keeps the sampler exactly on-policy)")
     check_at_least(args, 1, "max_new_tokens")
-    for name in ("learning_rate", "sft_lr", "rm_lr"):  # checked here, before a model loads, not by AdamW after it
-        if getattr(args, name, 0.0) < 0:  # 0 is allowed: a frozen run (tests measure the ratio at 1 that way)
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 0")
+    check_at_least(args, 0, "learning_rate")  # here, before a model loads, not by AdamW after it; 0 is allowed: a
+    # frozen run (tests measure the ratio at 1 that way)
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         fail(f"--output-dir {args.output_dir} is a file; run folders are created inside a folder")
-    if args.model_name in ("testbed-weak", "testbed-strong") and getattr(args, "dataset", "testbed") != "testbed":
+    if args.model_name in ("testbed-weak", "testbed-strong") and args.dataset != "testbed":
         print(f"warning: --model-name {args.model_name} reads only the testbed's own compact problems (--dataset "
               f"testbed), not {args.dataset}; pass --model-name (e.g. smollm2-135m-instruct, a hub id or a folder)")
 
 
-def check_run_args(args, min_group_size: int = 2) -> None:
-    """Flags that contradict each other, shared by the group-sampling trainers: a one-line error before any work."""
+def check_run_args(args, min_group_size: int = 2, tis: str = "none", eval_samples: int = 0,
+                   eval_pass_k: int = 0) -> None:
+    """Flags that contradict each other, shared by the group-sampling trainers: a one-line error before any work.
+    The flags a trainer declares itself come as arguments (--tis, --eval-samples, --eval-pass-k), where it has them."""
     check_sampling_args(args)
     batch = args.num_prompts * args.group_size
     check_at_least(args, 1, "num_prompts", "group_size", "num_iterations", "num_minibatches", "micro_batch_size")
@@ -211,9 +212,8 @@ def check_run_args(args, min_group_size: int = 2) -> None:
         if getattr(args, name) not in (0, derived):  # a derived value: honoured or refused, never silently replaced
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} is derived, not set: --num-prompts x --group-size"
                  f"{' / --num-minibatches' if name == 'minibatch_size' else ''} = {derived} here; change those")
-    samples = getattr(args, "eval_samples", 0)  # sampled evaluation: not every trainer has it (mada_rl, rlpf)
-    if samples > 0 and getattr(args, "eval_pass_k", 0) > samples:
-        fail(f"--eval-pass-k {args.eval_pass_k} is larger than --eval-samples {args.eval_samples} "
+    if eval_samples > 0 and eval_pass_k > eval_samples:
+        fail(f"--eval-pass-k {eval_pass_k} is larger than --eval-samples {eval_samples} "
              "(pass@k is estimated from that many samples per problem)")
     if args.share_prompt and (args.micro_batch_size % args.group_size or args.num_prompts % args.num_minibatches):
         fail("--share-prompt needs each group in one micro-batch and mini-batch: " + (
@@ -223,6 +223,6 @@ def check_run_args(args, min_group_size: int = 2) -> None:
     if args.share_prompt and args.gradient_checkpointing:
         fail("--share-prompt cannot share under --gradient-checkpointing: checkpointed layers keep no KV cache, so the "
              "policy's passes would take the plain forward and only the reference's would share; drop one of the two")
-    if getattr(args, "tis", "none") != "none" and args.rollout_backend != "vllm":
-        fail(f"--tis {args.tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
+    if tis != "none" and args.rollout_backend != "vllm":
+        fail(f"--tis {tis} corrects a separate sampler's mismatch; --rollout-backend {args.rollout_backend} "
              "samples from the trainer itself (use --rollout-backend vllm)")

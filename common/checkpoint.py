@@ -9,7 +9,10 @@ A save writes checkpoint.tmp, then manifest.json last (every file's size and sha
 one. Then the previous checkpoint is removed (its manifest first) and checkpoint.tmp renamed to checkpoint. A kill at
 any instant leaves at least one complete folder, and --resume takes the newest complete one of checkpoint,
 checkpoint.tmp and checkpoint.old (written by earlier versions); the next save first makes it `checkpoint` again.
---resume and loading the folder as a model check every file against the manifest."""
+--resume and loading the folder as a model check every file against the manifest.
+
+Ctrl-C (`catch_ctrl_c`, docs/runs.md): the first one in a trainer's step loop stops the run after that step, once the
+loop has saved it, with the command that resumes it; any other quits at once, saying which checkpoint is kept."""
 
 from __future__ import annotations
 
@@ -19,8 +22,12 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
+import sys
+import threading
+import weakref
 
 import numpy as np
 import torch
@@ -28,9 +35,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from common.args import fail
-from common.dist import is_sharded, rank_world
+from common.dist import all_reduce_sum, is_sharded, rank_world
 from common.logger import read_metrics
-from common.models import load_model
 
 KILL_AFTER_SAVE = "TINYPOST_TEST_KILL_AFTER_SAVE"
 """tests: SIGKILL the process at a deterministic point: STEP right after the checkpoint of that step is written;
@@ -310,7 +316,10 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
         if state.get("fsdp"):
             load_sharded(ckpt["path"], model, optimizer)
         else:
-            model.load_state_dict(load_model(ckpt["path"], dtype, device).state_dict())
+            from transformers import AutoModelForCausalLM  # the folder was checked file by file by open_checkpoint
+
+            model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt["path"], dtype=getattr(torch, dtype))
+                                  .state_dict())
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(own["sampler"])
@@ -335,6 +344,18 @@ def resume(ckpt: dict, model, optimizer, scheduler, sampler, dtype: str, device:
     return {**state, **{k: v for k, v in own.items() if k not in ("rng", "sampler", "saved_world")}}
 
 
+def resume_state(ckpt, model, optimizer, scheduler, sampler, engine, device: str) -> dict:
+    """{'step': 0} for a fresh run (`ckpt` None). With a checkpoint opened by open_checkpoint: the weights, optimizer,
+    scheduler, this rank's sampler and RNG states restored, the rollout engine given the weights; returns the
+    checkpoint's trainer state (its step, first evaluation and what the trainer saved)."""
+    if not ckpt:
+        return {"step": 0}
+    stored = str(next(model.parameters()).dtype).removeprefix("torch.")  # float32 master weights under --dtype bf16
+    state = resume(ckpt, model, optimizer, scheduler, sampler, stored, device)
+    engine.sync_weights(model)
+    return state
+
+
 def truncate_metrics(run_dir: str, last_step: int) -> None:
     """Drop metric and sample rows logged after the checkpoint we resume from (they will be logged again); each file
     is replaced atomically, so a crash here loses nothing."""
@@ -344,3 +365,81 @@ def truncate_metrics(run_dir: str, last_step: int) -> None:
             with open(path + ".tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
             os.replace(path + ".tmp", path)
+
+
+# Ctrl-C
+
+
+class CtrlC:
+    """What a run's SIGINT handler (`catch_ctrl_c`) reads and its step loop sets: `step`, the step the loop is in (None
+    outside the loop: before the first step and in the final evaluation), and `asked`, whether a first Ctrl-C in the
+    loop asked for a stop."""
+
+    def __init__(self, run_dir: str, rank: int, script: str = "", save_optimizer: bool = True, no_resume: str = ""):
+        self.run_dir, self.rank, self.script = run_dir, rank, os.path.basename(script)
+        self.save_optimizer, self.no_resume = save_optimizer, no_resume
+        self.step, self.asked = None, False
+
+    def say(self, line: str) -> None:
+        if self.rank == 0:
+            os.write(2, f"\n{line}\n".encode())  # not print: safe inside a signal handler
+
+    def on_sigint(self) -> None:
+        """The first Ctrl-C in the loop of a trainer with checkpoints: a stop after the step. Any other: one line
+        saying which checkpoint is kept (or, `no_resume`, what to do instead), and exit status 130 at once."""
+        if self.step is not None and not self.asked and not self.no_resume:
+            self.asked = True
+            return self.say(f"stopping after step {self.step} finishes and saving a checkpoint; Ctrl-C again to quit "
+                            "at once")
+        at = f" at step {self.step}" if self.step is not None else ""
+        if self.no_resume:  # nothing to resume from, whatever the step
+            self.say(f"interrupted: {self.no_resume}")
+        else:
+            path = find_checkpoint(self.run_dir)  # the newest complete one: a save cut short leaves the previous
+            saved = (_manifest(path) or {}).get("step") if path else None
+            kept = (f"the checkpoint of step {saved} is kept; {self.next_move()}" if saved is not None else
+                    f"{path} is kept; {self.next_move()}" if path else
+                    "no checkpoint was written yet (--save-every N writes one every N steps)")
+            self.say(f"interrupted{at}: {kept}")
+        os._exit(130)  # at once: no clean-up that could hang (worker pools, a vllm engine, wandb)
+
+    def stop_asked(self) -> bool:
+        """Whether a Ctrl-C on any rank asked for a stop: one all-reduce of one number, so that every rank stops after
+        the same step. The loop calls it once a step, on every rank."""
+        return all_reduce_sum(torch.tensor([float(self.asked)])).item() > 0
+
+    def exit_saved(self, bar=None) -> None:
+        """After the step a Ctrl-C stopped at is saved: the progress bar closed (its last line before ours), one line
+        saying how to go on, and SystemExit(130)."""
+        if bar is not None:
+            bar.close()
+        self.say(f"stopped after step {self.step} (checkpoint saved); {self.next_move()}")
+        raise SystemExit(130)
+
+    def next_move(self) -> str:  # --no-save-optimizer: weights only, which --resume refuses; a new run loads them
+        return (f"continue with: {self.command()}" if self.save_optimizer else "it holds weights only "
+                f"(--no-save-optimizer): start a new run from them with --model-name {self.run_dir}/checkpoint")
+
+    def command(self) -> str:
+        """This run's command line with --resume <run folder> (torchrun on several nodes: add its launch flags)."""
+        argv = sys.argv[1:]
+        if os.path.basename(sys.argv[0]) != self.script:  # main() called from Python
+            return f"{self.script} with this run's flags and --resume {self.run_dir}"
+        argv = [a for i, a in enumerate(argv) if not (a.startswith("--resume") or i and argv[i - 1] == "--resume")]
+        world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
+        launch = sys.executable if not world else f"torchrun --nproc-per-node {local}" if world == local else "torchrun"
+        return f"{launch} {shlex.join([sys.argv[0], *argv, '--resume', self.run_dir])}"
+
+
+def catch_ctrl_c(run_dir: str, rank: int, script: str = "", save_optimizer: bool = True,
+                 no_resume: str = "") -> CtrlC:
+    """From now on a Ctrl-C is one line and exit status 130 (CtrlC.on_sigint): returns the state the step loop sets
+    (`step`) and reads (`stop_asked`). `script`: the trainer's file, for the --resume command; `no_resume`: a trainer
+    without checkpoints, what to say instead. Installed from the main thread only, and not over a SIGINT the launcher
+    ignores. The handler holds the state weakly: once main() has returned, Ctrl-C does what it did before."""
+    ctrl_c = CtrlC(run_dir, rank, script, save_optimizer, no_resume)
+    previous, ref = signal.getsignal(signal.SIGINT), weakref.ref(ctrl_c)
+    if threading.current_thread() is threading.main_thread() and previous is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, lambda sig, frame: ref().on_sigint() if ref() else (
+            previous if callable(previous) else signal.default_int_handler)(sig, frame))
+    return ctrl_c

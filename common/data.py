@@ -20,7 +20,8 @@ import random
 import re
 
 from common.args import fail
-from common.testbed import Problem, make_suite, render_testbed_prompt
+from common.problem import Problem
+from common.testbed import make_suite, render_testbed_prompt
 from common.testbed_nl import NL_INSTRUCTION, make_nl_suite
 from common.verifiers import strip_thousands
 
@@ -192,6 +193,17 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
                  "held out); add records, or pass a separate held-out file with --eval-dataset")
         problems = [p for i, p in enumerate(problems) if (i % 10 == 0) == (split in ("test", "validation"))]
     return problems[:num_problems] if num_problems else problems
+
+
+def load_train_eval(args) -> tuple[list, list]:
+    """Training and held-out problems: --eval-dataset (another file: both read whole), else --dataset's --eval-split."""
+    fields = dict(dataset_config=args.dataset_config, question_field=args.question_field,
+                  answer_field=args.answer_field, solution_field=args.solution_field,
+                  whole=os.path.realpath(args.eval_dataset or args.dataset) != os.path.realpath(args.dataset))
+    train = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed, **fields)
+    held_out = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels, args.num_eval_problems,
+                             args.seed, **fields)
+    return train, held_out
 
 
 def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", template: str = MATH_TEMPLATE) -> str:

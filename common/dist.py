@@ -21,8 +21,10 @@ import datetime
 import gc
 import glob
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,6 +49,13 @@ def init_distributed(device: str, timeout_minutes: float = 180.0) -> tuple[int, 
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
         atexit.register(release_process_group)
     return rank, world, device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (a trainer passes --seed + rank: each rank its own random stream)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def release_process_group() -> None:
@@ -247,11 +256,6 @@ def max_over_ranks(n: int, model) -> int:
     t = torch.tensor([float(n)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of an FSDP2 (DTensor) parameter, a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def rank_world() -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy accuracy and unbiased pass@k, overall and per level."""
+"""Held-out evaluation: greedy accuracy and unbiased pass@k, overall and per level; the evaluations before and after
+training, logged."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tqdm import tqdm
 
 from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_sum, rank_world
-from common.logger import sample_rows
+from common.logger import sample_rows, without_samples
 from common.verifiers import format_reward, score
 
 
@@ -79,3 +80,29 @@ def evaluator(engine, tokenizer, problems: list, args):
     """A trainer's `run_eval()`: `evaluate` on the held-out problems with the run's sampling and evaluation flags."""
     return lambda: evaluate(engine, tokenizer, problems, args.max_new_tokens, args.eval_samples, args.temperature,
                             args.eval_pass_k, args.max_prompt_tokens, args.log_samples, args.top_p)
+
+
+def first_evaluation(run_eval, state: dict, writer) -> dict:
+    """The held-out evaluation before training, logged by `writer` (a RunLogger) at the start step (a resumed run keeps
+    the one it had), without its samples."""
+    first_eval = state.get("first_eval")
+    if first_eval is None:
+        first_eval = run_eval()
+        writer.log(state["step"], first_eval)
+    return without_samples(first_eval)
+
+
+def final_evaluation(run_eval, writer, first_eval: dict, step: int, what: str = "held-out greedy accuracy") -> dict:
+    """The held-out evaluation after training, logged by `writer` at `step` and returned without its samples; rank 0
+    (the writer's) prints `what: before -> after (+x points, n=N); run folder ...`. Step 0 (--total-steps 0, an
+    evaluation-only run): the weights never changed, so the first evaluation is the last."""
+    final_eval = run_eval() if step else first_eval
+    if step:
+        writer.log(step, final_eval)
+    final_eval = without_samples(final_eval)
+    if writer.enabled:
+        before, after = first_eval.get("eval/greedy_accuracy", 0.0), final_eval.get("eval/greedy_accuracy", 0.0)
+        change = f"-> {after:.3f} ({100 * (after - before):+.1f} points, " if step else "(evaluation only, "
+        n = final_eval.get("eval/num_problems", "?")
+        print(f"{what}: {before:.3f} {change}n={n}); run folder {writer.run_dir}")
+    return final_eval

@@ -1,4 +1,6 @@
-"""Run folder, metrics (console, JSONL, wandb), samples and the learning curve (checkpoints: common/checkpoint.py).
+"""What a run writes and shows: its folder, its metrics (console, JSONL, wandb; the shared ones computed here, so that
+every trainer logs them under the same names), samples, the progress bar and the learning curve (checkpoints:
+common/checkpoint.py).
 
     runs/<run_name>/
         args.json          the resolved arguments
@@ -14,12 +16,17 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from common.args import fail
+from common.dist import all_reduce_sum
 
 CONSOLE_KEYS = ("reward/mean", "train/accuracy", "adv/frac_zero_std", "loss/policy", "policy/entropy",
                 "rollout/completion_len", "perf/step_time", "eval/greedy_accuracy")
@@ -30,12 +37,22 @@ PROMPT_TAIL_CHARS = 1000
 """how much of the end of a prompt a sample keeps: a GSM8K prompt whole, with its chat template and system turn"""
 
 
+def run_folder(args, rank: int) -> str:
+    """The run folder: the --resume folder, or output_dir/{run_name or exp_name__seed__unix time}, with rank 0's time
+    under torchrun (one folder for all ranks). Created by RunLogger."""
+    stamp = [int(time.time())]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(stamp, src=0)
+    return getattr(args, "resume", "").rstrip("/") or os.path.join(
+        args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{stamp[0]}")
+
+
 class RunLogger:
     """Writes every metric to metrics.jsonl (one row per step), a compact line to the console, and wandb with `track`.
     `extra`: prefixes of a trainer's own metrics also on the console (`prob=0.2/0.5/0.3`) and in curve.png, below."""
 
     def __init__(self, args, run_dir: str, enabled: bool = True, extra: tuple[str, ...] = ()):
-        self.run_dir, self.enabled, self.extra = run_dir, enabled, extra
+        self.run_dir, self.enabled, self.extra, self.stuck = run_dir, enabled, extra, []
         self.wandb = self.samples_file = self.last = None  # last: the last row of metrics.jsonl (resumed: checkpoint's)
         if not enabled:  # non-zero ranks under torchrun
             return
@@ -81,11 +98,24 @@ class RunLogger:
         shown = [(k.split("/")[-1], [new[k]]) for k in CONSOLE_KEYS if k in new]
         shown += [(p.strip("/").split("/")[-1], [v for k, v in new.items() if k.startswith(p)]) for p in self.extra]
         line = f"step {step:>4} " + " ".join(name + "=" + "/".join(f"{v:.3g}" for v in vs) for name, vs in shown
-                                            if vs and all(isinstance(v, (int, float)) for v in vs))
+                                             if vs and all(isinstance(v, (int, float)) for v in vs))
         write = bar.write if bar is not None else print
         write(line)
         for key, rows in samples.items():
             self.log_samples(step, key[len(SAMPLES):], rows, write)
+
+    def warn_if_stuck(self, step: int, m: dict, max_new_tokens: int, patience: int = 3) -> None:
+        """One console line when `patience` steps in a row had no learning signal (adv/mean_abs 0 in the metrics `m`:
+        every advantage on every rank 0), saying why from the step's metrics; a step with signal resets the count."""
+        self.stuck = self.stuck + [step] if m.get("adv/mean_abs") == 0 else []
+        if len(self.stuck) == patience and self.enabled:
+            acc, cut = m.get("train/accuracy"), m.get("rollout/truncated_frac", 0.0)
+            why = ["every group's rewards were equal"] if m.get("adv/frac_zero_std") == 1 else []
+            why += ["none correct"] if acc == 0 else ["all correct: the problems are too easy"] if acc == 1 else []
+            why += ([f"{100 * cut:.0f} % of completions were cut at --max-new-tokens {max_new_tokens}: raise it"]
+                    if cut >= 0.5 else ["too hard, or answers in a wrong format? (samples.jsonl)"] if acc == 0 else [])
+            tqdm.write("; ".join([f"warning: steps {self.stuck[0]}-{step} had no learning signal (every advantage 0"
+                                  + ("; updates skipped)" if m.get("update/skipped") else ")"), *why]))
 
     def log_samples(self, step: int, kind: str, rows: list[dict], write=print) -> None:
         if not rows:
@@ -126,6 +156,71 @@ def _plain(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def step_bar(args, start_step: int, rank: int):
+    """The progress bar over steps start_step + 1 .. total_steps (rank 0 only): tqdm over that range."""
+    return tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
+                initial=start_step, total=args.total_steps)
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    """Add the seconds the block takes to times[name] (logged as time/<name>)."""
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.time() - t0
+
+
+def update_metrics(sums: dict, grad_norms: list[float], lr: float, n_updates: int, n_tok: float) -> dict:
+    """The update's statistics, for the union batch of all ranks: the loss/* sums (each rank's share of the loss, its
+    normalisers being global) summed over ranks as means over its n_updates optimizer steps, the other sums (per-token
+    statistics) summed over ranks and divided by all ranks' n_tok tokens (as they are on one process), optim/grad_norm
+    (mean over steps), optim/lr, update/skipped (1: no update, and loss/*, clip_frac, approx_kl the 0 it would log)."""
+    keys = sorted(sums)
+    total = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(n_tok)], dtype=torch.float64))
+    n_tok = total[-1].item()
+    skipped = dict.fromkeys(("loss/policy", "loss/kl", "policy/clip_frac", "policy/approx_kl"), 0.0)  # A = 0, ratio 1
+    return {**({} if grad_norms else skipped), **{k: total[i].item() / (n_updates if k.startswith("loss/") else
+                                                                        max(n_tok, 1.0)) for i, k in enumerate(keys)},
+            "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0, "optim/lr": lr,
+            "update/skipped": float(not grad_norms)}
+
+
+def peak_mem_gb(device: str) -> float:
+    return (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+
+
+def rollout_perf_metrics(rollouts, times: dict, train_passes: int, device: str, gen_tokens: float | None = None,
+                         train_rollouts=None) -> dict:
+    """Completion length and truncation of the sampled `rollouts`, time/<phase> for each timed phase, generation
+    throughput (gen_tokens: default, the rollouts' completion tokens), training throughput (train_passes passes, e.g.
+    PPO epochs, over train_rollouts, default the rollouts), and peak memory."""
+    gen_tokens = rollouts.lengths_B.sum().item() if gen_tokens is None else gen_tokens
+    train_rollouts = rollouts if train_rollouts is None else train_rollouts
+    return {"rollout/completion_len": rollouts.lengths_B.float().mean().item(),
+            "rollout/truncated_frac": rollouts.truncated_B.float().mean().item(),
+            **{f"time/{k}": v for k, v in times.items()},
+            "perf/gen_tokens_per_s": gen_tokens / max(times.get("generate", 0.0), 1e-9),
+            "perf/train_tokens_per_s": train_passes * train_rollouts.attention_mask_BT.sum().item()
+            / max(times.get("update", 0.0), 1e-9),
+            "perf/peak_mem_gb": peak_mem_gb(device)}
+
+
+def sample_step(args, step: int) -> bool:
+    """Whether the rollouts of `step` are written as samples (samples.jsonl): with --log-samples > 0, at evaluation
+    steps (--eval-every), the last step, and every --log-samples-every steps."""
+    every, extra = getattr(args, "eval_every", 0), args.log_samples_every
+    return args.log_samples > 0 and (step == args.total_steps or bool(every and step % every == 0)
+                                     or bool(extra and step % extra == 0))
+
+
+def without_samples(metrics: dict) -> dict:
+    """The metrics without their sample lists (SAMPLES), as kept in checkpoints and returned by main."""
+    return {k: v for k, v in metrics.items() if not k.startswith(SAMPLES)}
+
+
 def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1, **fields) -> list[dict]:
     """Up to `k` rows of `rollouts` as text for samples.jsonl, the first row of each of the first k groups of
     `group_size` rows: its problem's question (whole), the end of its prompt and its completion as decoded with the
@@ -135,7 +230,7 @@ def sample_rows(tokenizer, rollouts, problems: list, k: int, group_size: int = 1
     fields). Costs no generation: the rows are the step's (or the evaluation's) own.
 
     >>> from common.rollout import attach
-    >>> from common.testbed import Problem
+    >>> from common.problem import Problem
     >>> from grounds.testbed_models import build_tokenizer
     >>> tok = build_tokenizer()
     >>> r = attach([tok("Q:1+2\\nA:")["input_ids"]] * 2, [(tok("3")["input_ids"] + [tok.eos_token_id], "3", False),

@@ -12,9 +12,11 @@ import os
 
 import torch
 
+from common.checkpoint import check_files
 
 EMBEDDED_NAMES = ("testbed-weak", "testbed-strong", "smollm2-135m-instruct", "testbed-code")
-"""the models grounds/ builds locally (grounds.EMBEDDED_MODELS; named here for the error messages)"""
+"""the models grounds/ builds locally (grounds.EMBEDDED_MODELS): named here for the error messages, and for the
+trainers, which import grounds/ only for these names (a fork without it runs on hub ids and local folders)"""
 
 
 def resolve_model(name: str) -> str:
@@ -198,14 +200,13 @@ def mask_padded_head(model, vocab: int) -> None:
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
-    """A causal LM in `dtype` on `device`, in train mode, with dropout off, and no probability on LM-head rows
-    its tokenizer lacks (`mask_padded_head`)."""
+    """A causal LM in `dtype` on `device`, in train mode, with dropout off; its files checked (a checkpoint's sha256,
+    truncated weights, a tokenizer beside it that does not fit). A padded LM head stays as it is: a trainer that
+    normalises over the whole head masks it (`mask_padded_head`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model(name)
     if os.path.isdir(path):
-        from common.checkpoint import check_files  # (imported here: common.checkpoint imports this module)
-
         check_files(path, f"could not load model {name!r}", model_only=True)  # a checkpoint: the sha256 of each file
         check_weight_files(path)
     try:
@@ -215,10 +216,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"error: could not load model {name!r}: {_one_line(e)}") from None
     disable_dropout(model.config, model)
-    n_tokens = tokenizer_size(path)
-    check_tokenizer_fits(model, path, n_tokens)
-    if n_tokens is not None:
-        mask_padded_head(model, n_tokens)
+    check_tokenizer_fits(model, path, tokenizer_size(path))
     return model.to(device).train()
 
 
@@ -254,7 +252,8 @@ def load_policy(name: str, args, device: str):
     """The model a trainer updates, in --dtype's compute precision. float32: plain float32. bfloat16 / float16:
     float32 master weights computing under autocast (`autocast_forward`; under --fsdp FSDP2's mixed precision does the
     same, common.dist.shard_models); with --no-master-weights the weights themselves in --dtype, with a warning.
-    --gradient-checkpointing is switched on here, before any sharding."""
+    Loading only: the trainer masks a padded LM head (`mask_padded_head`) and switches on --gradient-checkpointing
+    (`enable_gradient_checkpointing`) itself, before any sharding."""
     if args.dtype != "float32" and not args.master_weights:
         print(f"warning: --no-master-weights: the weights are stored in {args.dtype}, so AdamW updates smaller than "
               f"half a {args.dtype} step of a weight (about 1/256 of it for bfloat16) are lost; at learning rates "
@@ -262,8 +261,6 @@ def load_policy(name: str, args, device: str):
     model = load_model(name, "float32" if args.master_weights else args.dtype, device)
     if args.dtype != "float32" and args.master_weights and not getattr(args, "fsdp", False):
         autocast_forward(model, getattr(torch, args.dtype))
-    if getattr(args, "gradient_checkpointing", False):
-        enable_gradient_checkpointing(model)
     return model
 
 
@@ -279,21 +276,6 @@ def frozen_copy(model):
     step 0 SmolLM2's reference log-probs were up to 0.55 from the policy's (k3 KL 0.011 a token), testbed-weak's
     0.087, and 0.13 under --fsdp, where the rotary frequencies were the only difference (issue 36)."""
     return copy.deepcopy(model).eval().requires_grad_(False)
-
-
-def load_score_model(path: str, dtype: str = "float32"):
-    """A sequence-classification model with one score head (a reward or value model) from a causal LM's folder,
-    with dropout off: its Bradley-Terry loss and PPO's rewards would otherwise be noisy in train mode."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    try:
-        config = AutoConfig.from_pretrained(path, num_labels=1)
-        disable_dropout(config)
-        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
-    except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"error: could not load a score model from {path!r}: {_one_line(e)}") from None
-    disable_dropout(model.config, model)
-    return model
 
 
 def add_lora(model, names: list[str], r: int, alpha: int, target_modules, **config):
@@ -326,29 +308,3 @@ def enable_gradient_checkpointing(model) -> None:
         raise SystemExit(f"error: --gradient-checkpointing: {type(base).__name__} does not support gradient "
                          f"checkpointing; run without the flag")
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def adapter_params(model, name: str) -> dict:
-    """The LoRA tensors of adapter `name` (peft names them `...lora_A.<name>.weight`)."""
-    return {n: p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n}
-
-
-def use_adapter(model, name: str) -> None:
-    """Make adapter `name` the active one (generation and forward use it) and its tensors the only trainable ones;
-    the other adapters' gradients are dropped (left in place, data parallel would keep all-reducing them)."""
-    model.set_adapter(name)
-    mine = set(adapter_params(model, name))
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in mine)
-        if n not in mine:
-            p.grad = None
-
-
-def load_adapters(base, adapter_dir: str, names: list[str]):
-    """`base` with the LoRA adapters saved in adapter_dir/<name> (peft's layout for several adapters), by name."""
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(base, os.path.join(adapter_dir, names[0]), adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(os.path.join(adapter_dir, name), adapter_name=name)
-    return model

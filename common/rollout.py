@@ -531,7 +531,7 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     not bit-identical to the plain forward (the attention is computed in another order): in float32 the completion
     log-probs differ by up to 5e-6 on testbed-weak and 2e-5 on SmolLM2 (means 8e-7 and 2e-6), in bfloat16 by up to
     0.035 on testbed-weak. So it is off by default (the trainers take it with --share-prompt), and the passes of one
-    step must all take the same path (common.run.minibatch_order).
+    step must all take the same path (`minibatch_order`).
     """
     B, T = input_ids_BT.shape
     C = T - prompt_len
@@ -554,6 +554,25 @@ def completion_logits(model, input_ids_BT, attention_mask_BT, prompt_len: int, s
     out = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=pos_BT, logits_to_keep=C + 1,
                 use_cache=False)
     return out.logits[:, :-1]
+
+
+def minibatch_order(args) -> torch.Tensor:
+    """The batch's rows in the order an epoch's mini-batches take them (`order.split(args.minibatch_size)`): in order
+    for one mini-batch, else shuffled; with --share-prompt a whole group at a time, its rows adjacent and in order, so
+    that the update shares each group's prompt as the old log-probs' pass did (`completion_logits`); rows shuffled one
+    by one would take the plain forward, which rounds differently (ratio not 1, issue 36).
+
+    >>> from types import SimpleNamespace
+    >>> order = minibatch_order(SimpleNamespace(batch_size=6, group_size=2, num_minibatches=3, share_prompt=True))
+    >>> sorted(order.view(3, 2).tolist())
+    [[0, 1], [2, 3], [4, 5]]
+    """
+    if args.num_minibatches == 1:
+        return torch.arange(args.batch_size)
+    if not args.share_prompt:
+        return torch.randperm(args.batch_size)
+    G = args.group_size
+    return (torch.randperm(args.batch_size // G)[:, None] * G + torch.arange(G)).flatten()
 
 
 LOGPROB_CHUNK = 2**22
@@ -678,6 +697,38 @@ def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_
     return torch.cat(out) * rollouts.completion_mask_BC
 
 
+# A separate sampler (vllm): its mismatch with the trainer, and truncated importance sampling (the trainers' --tis)
+def tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> torch.Tensor:
+    """Truncated importance weights for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): w = min(pi_trainer / pi_sampler, cap) per token, or per sequence
+    with the ratio of whole-sequence probabilities; 1 with level "none". Detached.
+
+    >>> tis_weights(torch.log(torch.tensor([[.5, .5]])), torch.log(torch.tensor([[.25, .5]])), torch.ones(1, 2),
+    ...             "token", 1.5)
+    tensor([[1.5000, 1.0000]])
+    """
+    log_w_BC = ((trainer_logp_BC - sampler_logp_BC) * mask_BC).detach()
+    if level == "none":
+        return torch.ones_like(log_w_BC)
+    if level == "token":
+        return log_w_BC.exp().clamp(max=cap)
+    if level == "sequence":
+        return log_w_BC.sum(1, keepdim=True).exp().clamp(max=cap).expand_as(log_w_BC).contiguous()
+    raise ValueError(f"unknown importance-sampling level {level!r}")
+
+
+def sampler_correction(trainer_logp_BC, sampler_logp_BC, mask_BC, level: str, cap: float) -> tuple[torch.Tensor, dict]:
+    """The TIS weight w (`tis_weights`) and, as token sums over mask_BC that the caller divides by all the update's
+    tokens, the sampler's mismatch with the trainer and the weight itself. The sampler q drew the tokens and the
+    trainer p scores them: with d = log q - log p, k1 = d and k3 = exp(-d) - 1 + d both estimate KL(q || p) per
+    token (k3 >= 0, lower variance). A few 1e-3 is bfloat16-vs-float32 noise; growth means stale sampler weights."""
+    w_BC = tis_weights(trainer_logp_BC, sampler_logp_BC, mask_BC, level, cap)
+    d_BC = (sampler_logp_BC - trainer_logp_BC) * mask_BC
+    return w_BC, {"rollout/mismatch_k1": d_BC.sum().item(),
+                  "rollout/mismatch_k3": ((torch.expm1(-d_BC) + d_BC) * mask_BC).sum().item(),
+                  "rollout/tis_weight_mean": (w_BC * mask_BC).sum().item()}
+
+
 def split_completions(rollouts: Rollouts) -> list[tuple[list[int], str, bool]]:
     """(token ids up to and including eos, text, truncated) of each row, free of the prompt it was sampled from."""
     return [(rollouts.completion_ids_BC[i, : int(rollouts.lengths_B[i])].tolist(), rollouts.texts[i],
@@ -704,46 +755,3 @@ def attach(prompts: list[list[int]], completions: list, pad_id: int, width: int 
     return Rollouts(torch.cat([ids_BL, comp_BC], 1), torch.cat([mask_BL, mask_BC.long()], 1), mask_BC,
                     ids_BL.shape[1], [c[1] for c in completions], mask_BC.sum(1).long(),
                     torch.tensor([c[2] for c in completions], dtype=torch.bool))
-
-
-def encode_pairs(tokenizer, prompts: list[str], completions: list[str]):
-    """Left-padded rows [prompt | completion eos] of texts: ids, attention mask and completion mask (eos included).
-
-    >>> from grounds.testbed_models import build_tokenizer
-    >>> ids_BT, attn_BT, comp_BT = encode_pairs(build_tokenizer(), ["ab", "a"], ["c", "cd"])
-    >>> attn_BT.tolist(), comp_BT.tolist()
-    ([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 1, 1], [0, 1, 1, 1]])
-    """
-    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
-    ids_BT, attn_BT = left_pad([p + c + [tokenizer.eos_token_id] for p, c in zip(p_ids, c_ids)],
-                               tokenizer.pad_token_id)
-    comp_BT = torch.zeros_like(attn_BT)
-    for i, c in enumerate(c_ids):
-        comp_BT[i, ids_BT.shape[1] - len(c) - 1:] = 1
-    return ids_BT, attn_BT, comp_BT
-
-
-@torch.no_grad()
-def sequence_scores(model, input_ids_BT, attention_mask_BT, pad_id: int, chunk: int = 64) -> torch.Tensor:
-    """The scalar of a sequence-classification model (a reward model) for each row, read at its last real token;
-    rows are re-packed to left padding and scored `chunk` at a time."""
-    device = next(model.parameters()).device
-    ids_BT, attn_BT = left_pad([row[m.bool()].tolist() for row, m in zip(input_ids_BT, attention_mask_BT)], pad_id)
-    out = [model(input_ids=ids_BT[s:s + chunk].to(device), attention_mask=attn_BT[s:s + chunk].to(device),
-                 position_ids=position_ids(attn_BT[s:s + chunk]).to(device)).logits[:, 0].float().cpu()
-           for s in range(0, len(ids_BT), chunk)]
-    return torch.cat(out)
-
-
-class FiniteLogits:
-    """A logits guard for HFEngine (a transformers LogitsProcessor too): NaN -> -bound, +-inf -> +-bound, then clamp
-    to [-bound, bound]; `fixed` counts the non-finite logits it replaced."""
-
-    def __init__(self, bound: float = 100.0):
-        self.bound, self.fixed = bound, 0
-
-    def __call__(self, input_ids, scores):
-        self.fixed += int((~torch.isfinite(scores)).sum())
-        return torch.nan_to_num(scores, nan=-self.bound, posinf=self.bound, neginf=-self.bound).clamp(
-            -self.bound, self.bound)

@@ -1,5 +1,5 @@
-"""The embedded, offline testbed task: a synthetic multi-level reasoning task, and the problem record every source
-(testbed, testbed-nl, Hugging Face datasets, JSONL) is read into.
+"""The embedded, offline testbed task: a synthetic multi-level reasoning task (its problems are common.problem's
+records, as every source's are).
 
 The task is mental addition of single digits, one character per token:
 
@@ -18,35 +18,13 @@ from __future__ import annotations
 
 import random
 import zlib
-from dataclasses import dataclass, field
+
+from common.problem import Problem
 
 LEVELS = (1, 2, 3, 4, 5)
 OPERANDS = {1: 2, 2: 3, 3: 4, 4: 6, 5: 9}
 """Level -> number of single-digit operands (the chain has one step fewer)."""
 PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-
-
-@dataclass
-class Problem:
-    """One verifiable problem, whatever its source (testbed, HF dataset, JSONL)."""
-
-    question: str
-    """the question text, before any prompt template"""
-    answer: str
-    """the verifiable final answer"""
-    level: int = 0
-    """difficulty level (testbed: number of addition steps; 0 when unknown)"""
-    solution: str = ""
-    """a step-by-step reference solution ('' when the source has none)"""
-    hints: list = field(default_factory=list)
-    """candidate knowledge points (short facts)"""
-    hint_helpful: list = field(default_factory=list)
-    """for each hint, whether the reference solution uses it"""
-    task: str = "testbed"
-    """'testbed' (compact prompt, exact integer check), 'math' (chat prompt, math-verify) or 'nl' (testbed-nl: chat
-    prompt, its own answer rule and format, math-verify)"""
-    uid: str = ""
-    """stable identifier of the problem"""
 
 
 # ----------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from __future__ import annotations
 import random
 import re
 
-from common.testbed import Problem, is_heldout
+from common.problem import Problem
+from common.testbed import is_heldout
 
 NL_LEVELS = (1, 2, 3, 4, 5)
 VERSION = 2

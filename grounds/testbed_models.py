@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from common.rollout import HFEngine, completion_logprobs
-from common.testbed import BOS_CHAT, EOS, PAD, Problem, is_calibration, make_suite, render_testbed_prompt
+from common.problem import Problem
+from common.testbed import BOS_CHAT, EOS, PAD, is_calibration, make_suite, render_testbed_prompt
 from grounds.cache import build_once, cache_root
 
 TESTBED_MODELS = ("testbed-weak", "testbed-strong")

@@ -22,7 +22,7 @@ from common.dist import global_std, init_distributed  # noqa: E402
 from common.evaluate import evaluate  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.rollout import HFEngine  # noqa: E402
-from common.run import update_metrics  # noqa: E402
+from common.logger import update_metrics  # noqa: E402
 from common.verifiers import score  # noqa: E402
 
 

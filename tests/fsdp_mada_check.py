@@ -23,6 +23,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mada_rl  # noqa: E402
+import mada_rl_agents  # noqa: E402
 from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
 from common.dist import all_reduce_grads, all_reduce_sum, full_weights, shard_models  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
@@ -42,7 +43,7 @@ def check(model_dir: str, rank: int, world: int) -> dict:
         for n, p in policy.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
-    mada_rl.use_adapter(policy, "gen1")
+    mada_rl_agents.use_adapter(policy, "gen1")
     problems = load_problems("testbed", "train", (3,), 0, 1)[:4]
     prompts = encode_prompts(tok, [render_prompt(p, tok) for p in problems])
     rollouts = HFEngine(policy, tok).generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens)
@@ -51,11 +52,11 @@ def check(model_dir: str, rank: int, world: int) -> dict:
     mine = torch.arange(B).view(world, -1)[rank]
 
     def run(model, rows, normalise, reduce=lambda m: None):
-        mada_rl.use_adapter(model, "gen1")
+        mada_rl_agents.use_adapter(model, "gen1")
         batch = dict(input_ids_BT=rollouts.input_ids_BT, attention_mask_BT=rollouts.attention_mask_BT,
                      prompt_len=rollouts.prompt_len, mask_BC=rollouts.completion_mask_BC, adv_B=adv_PG.flatten(),
                      old_logp_BC=batched_logprobs(model, rollouts, 1.0, args.micro_batch_size))
-        opt = torch.optim.AdamW(mada_rl.adapter_params(model, "gen1").values(), lr=args.learning_rate)
+        opt = torch.optim.AdamW(mada_rl_agents.adapter_params(model, "gen1").values(), lr=args.learning_rate)
         return update(mada_rl, model, batch, rows, args, opt, normalise, reduce)
 
     plain = copy.deepcopy(policy)
@@ -70,8 +71,8 @@ def check(model_dir: str, rank: int, world: int) -> dict:
     moved = {name: (want[name] - start[name]).abs().max().item() for name in want}
     texts_equal = []
     for name in ("gen1", "gen0"):  # generation from the sharded model: each rank its own prompts, greedy
-        mada_rl.use_adapter(model, name)
-        mada_rl.use_adapter(plain, name)
+        mada_rl_agents.use_adapter(model, name)
+        mada_rl_agents.use_adapter(plain, name)
         own = prompts[rank::world]
         texts_equal.append(HFEngine(model, tok).generate(own, max_new_tokens=8, greedy=True).texts
                            == HFEngine(plain, tok).generate(own, max_new_tokens=8, greedy=True).texts)

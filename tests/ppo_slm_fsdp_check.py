@@ -19,7 +19,6 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppo_slm  # noqa: E402
-from common.dist import local_part  # noqa: E402
 from common.logger import read_metrics  # noqa: E402
 
 TINY = ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prompts", "16", "--num-prompts", "8",
@@ -30,7 +29,7 @@ TINY = ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prom
 def main():
     model_dir, output_dir, out_path = sys.argv[1:4]
     calls, held = {"finite": 0}, {}
-    all_finite, shard_models = ppo_slm.all_finite, ppo_slm.shard_models
+    all_finite, shard_models, local_part = ppo_slm.all_finite, ppo_slm.dist.shard_models, ppo_slm.local_part
 
     def finite_after_fault(params):  # called once per step, right after the update
         calls["finite"] += 1
@@ -45,7 +44,7 @@ def main():
                     total=sum(p.numel() for p in out[0].parameters()))
         return out
 
-    ppo_slm.all_finite, ppo_slm.shard_models = finite_after_fault, shard_and_count
+    ppo_slm.all_finite, ppo_slm.dist.shard_models = finite_after_fault, shard_and_count
     run = lambda name, *flags: ppo_slm.main(tyro.cli(ppo_slm.Args, args=[  # noqa: E731
         "--model-name", model_dir, "--output-dir", output_dir, "--run-name", name, *TINY, *flags]))
     first = run("stages", "--total-steps", "0")  # SFT and RM (rank 0), then passed by path, so that both runs

@@ -11,7 +11,7 @@ import grpo
 from common.args import check_run_args
 from common.data import PromptSampler, load_problems, render_prompt
 from common.models import load_model
-from common.run import load_train_eval
+from common.data import load_train_eval
 
 
 def _write(path, rows):

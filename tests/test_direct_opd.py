@@ -217,7 +217,7 @@ def test_teacher_post_is_required_for_other_teacher_pre(tmp_path, tiny_model_dir
 def test_token_level_tis_is_refused_in_one_line_before_any_model_loads(tmp_path, monkeypatch):
     """The loss at a position averages over the top-K support under the trainer's own probabilities: the sampled
     token's ratio does not weight it (--tis sequence does, through the states the row was sampled through)."""
-    monkeypatch.setattr(direct_opd, "path_of", lambda name: pytest.fail(f"{name} was looked up"))
+    monkeypatch.setattr(direct_opd, "model_folder", lambda name: pytest.fail(f"{name} was looked up"))
     with pytest.raises(SystemExit, match="^error: --tis token: .* use --tis sequence"):
         direct_opd.main(_args(tmp_path, "--rollout-backend", "vllm", "--tis", "token"))
 

@@ -5,6 +5,7 @@ without its optimizer, and RLPF's expert-match bonus under timing noise is what 
 
 import importlib
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,12 @@ import tyro
 
 import grpo
 from common.logger import read_metrics
+
+
+def patch_loop_score(monkeypatch, fn) -> None:
+    """grpo.py's own verifier calls (its loop's `verifiers.score`) go to `fn`; the evaluation's, and the verifier's own
+    recursive call, keep the real one (patching common.verifiers.score itself would reach those too)."""
+    monkeypatch.setattr(grpo, "verifiers", SimpleNamespace(**{**vars(grpo.verifiers), "score": fn}))
 
 TINY = ["--num-prompts", "2", "--group-size", "4", "--max-new-tokens", "8", "--num-eval-problems", "4",
         "--eval-samples", "0", "--eval-every", "0", "--log-samples", "0"]
@@ -37,14 +44,14 @@ def test_a_step_without_signal_still_moves_the_weights_by_adamw_momentum_unless_
         calls.append(len(texts))
         return [float(len(calls) == 1 and i % 4 == 0) for i in range(len(texts))]
 
-    monkeypatch.setattr(grpo, "score", scripted_score)
-    saved, real_save = {}, grpo.save_checkpoint
+    patch_loop_score(monkeypatch, scripted_score)
+    saved, real_save = {}, grpo.checkpoint.save_checkpoint
 
     def snapshot(run_dir, step, model, *rest, **kw):  # the weights at the end of every step
         saved.setdefault(run_dir, {})[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return real_save(run_dir, step, model, *rest, **kw)
 
-    monkeypatch.setattr(grpo, "save_checkpoint", snapshot)
+    monkeypatch.setattr(grpo.checkpoint, "save_checkpoint", snapshot)
     flags = [*TINY, "--model-name", tiny_model_dir, "--total-steps", "3", "--save-every", "1", "--learning-rate",
              "1e-3", "--output-dir", str(tmp_path)]
     for name, extra in (("default", []), ("skip", ["--skip-zero-advantage-steps"])):
@@ -115,14 +122,14 @@ def _mada_agents(tiny_model_dir):
 
 def test_a_critic_reads_the_question_first_then_the_proposals_then_the_instruction(tiny_model_dir):
     import mada_rl
-    from common.testbed import Problem
+    from common.problem import Problem
 
     model, tok = _mada_agents(tiny_model_dir)
     problem = Problem(question="What is 47 + 35?", answer="82", task="nl")
     engine = ScriptedEngine(WORKED)
     mada_rl.debate(model, engine, tok, [problem], ["gen0", "gen1"], ["critic0"], 2, 8, max_prompt_tokens=0)
     critic = tok.decode(engine.prompts[-1][0])  # round 2: the critic's prompt
-    instruction = mada_rl.render_prompt(problem, tok).split(problem.question + "\n", 1)[1]  # the template's last line
+    instruction = mada_rl.data.render_prompt(problem, tok).split(problem.question + "\n", 1)[1]  # the template's last line
     q, first, last = critic.index(problem.question), critic.index(WORKED), critic.rindex(WORKED)
     assert q < first < last < critic.index(instruction) and critic.endswith(instruction)  # x, y^_1, y^_2, instruction
     assert critic.count(WORKED) == 2
@@ -131,7 +138,7 @@ def test_a_critic_reads_the_question_first_then_the_proposals_then_the_instructi
 def test_a_critic_prompt_over_max_prompt_tokens_is_a_one_line_error_not_cut(tiny_model_dir):
     """Cut from the left, the critic's prompt would lose its question (before: its first proposal), silently."""
     import mada_rl
-    from common.testbed import Problem
+    from common.problem import Problem
 
     model, tok = _mada_agents(tiny_model_dir)
     problem = Problem(question="What is 47 + 35?", answer="82", task="nl")
@@ -216,13 +223,13 @@ def test_ctrl_c_in_a_run_without_optimizer_state_names_the_weights_to_start_from
     Ctrl-C names what works instead: a new run from those weights with --model-name (before: the --resume command)."""
     import signal
 
-    real_score = grpo.score
+    real_score = grpo.verifiers.score
 
     def score_then_ctrl_c(*a, **k):  # Ctrl-C in the middle of step 1
         signal.raise_signal(signal.SIGINT)
         return real_score(*a, **k)
 
-    monkeypatch.setattr(grpo, "score", score_then_ctrl_c)
+    patch_loop_score(monkeypatch, score_then_ctrl_c)
     flags = [*TINY, "--model-name", tiny_model_dir, "--total-steps", "3", "--no-save-optimizer", "--output-dir",
              str(tmp_path), "--run-name", "stopped"]
     with pytest.raises(SystemExit) as e:
@@ -232,7 +239,7 @@ def test_ctrl_c_in_a_run_without_optimizer_state_names_the_weights_to_start_from
     (line,) = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("stopped after step")]
     assert line == ("stopped after step 1 (checkpoint saved); it holds weights only (--no-save-optimizer): start a new "
                     f"run from them with --model-name {weights}")
-    monkeypatch.setattr(grpo, "score", real_score)
+    patch_loop_score(monkeypatch, real_score)
     with pytest.raises(SystemExit, match="holds weights only"):  # what the line used to suggest
         grpo.main(tyro.cli(grpo.Args, args=[*flags, "--resume", os.path.join(str(tmp_path), "stopped")]))
     out = grpo.main(tyro.cli(grpo.Args, args=[*TINY, "--model-name", weights, "--total-steps", "1", "--output-dir",

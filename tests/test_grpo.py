@@ -182,13 +182,13 @@ def test_track_logs_to_wandb_offline(tmp_path, weak_model_dir, monkeypatch):
 def test_total_steps_0_evaluates_a_model_once(tmp_path, weak_model_dir, capsys, monkeypatch):
     """--total-steps 0 is an evaluation-only run: one evaluation (not one before and one after of the same weights),
     one metrics row, the figure printed once as what it is, no checkpoint."""
-    calls, real = [], grpo.evaluator
+    calls, real = [], grpo.evaluate.evaluator
 
     def counted_evaluator(*a):  # the real evaluation, counted
         run_eval = real(*a)
         return lambda: calls.append(1) or run_eval()
 
-    monkeypatch.setattr(grpo, "evaluator", counted_evaluator)
+    monkeypatch.setattr(grpo.evaluate, "evaluator", counted_evaluator)
     out = grpo.main(_args(tmp_path, "--total-steps", "0", "--run-name", "eval_only"))
     assert len(calls) == 1 and out["before"] == out["after"]
     rows = read_metrics(tmp_path / "eval_only" / "metrics.jsonl")

@@ -115,8 +115,8 @@ def test_steps_without_learning_signal_skip_their_update_and_warn_once(tmp_path,
     """--max-new-tokens 1: every completion is cut or empty, so every reward is 0 and every advantage 0. With beta 0
     and --skip-zero-advantage-steps no step runs a log-prob pass, a forward or an optimizer step: the weights, AdamW's state and the schedule stay as
     they were; three such steps in a row print one warning. With beta > 0 the KL term has a gradient: no skip."""
-    logprobs, losses = Count(grpo.batched_logprobs), Count(grpo.micro_batch_loss)
-    monkeypatch.setattr(grpo, "batched_logprobs", logprobs)
+    logprobs, losses = Count(grpo.rollout.batched_logprobs), Count(grpo.micro_batch_loss)
+    monkeypatch.setattr(grpo.rollout, "batched_logprobs", logprobs)
     monkeypatch.setattr(grpo, "micro_batch_loss", losses)
     flags = [*TINY, "--model-name", tiny_model_dir, "--max-new-tokens", "1", "--total-steps", "4", "--num-iterations",
              "2", "--warmup-steps", "4", "--learning-rate", "1e-3", "--output-dir", str(tmp_path),

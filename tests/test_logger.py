@@ -17,7 +17,7 @@ import grpo
 from common.args import ExperimentArgs, RunArgs
 from common.logger import RunLogger, console_sample, read_metrics, sample_rows
 from common.rollout import attach
-from common.testbed import Problem
+from common.problem import Problem
 
 
 def strict_rows(path: str) -> list[dict]:

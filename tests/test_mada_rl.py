@@ -15,10 +15,11 @@ import torch
 import tyro
 
 import mada_rl
+import mada_rl_agents
 from common.data import load_problems
 from common.logger import read_metrics
 from common.models import load_model
-from common.testbed import Problem
+from common.problem import Problem
 from conftest import assert_samples
 
 
@@ -87,13 +88,13 @@ def test_switching_adapters_only_active_gets_gradients(tiny_model_dir):
     model = mada_rl.make_agents(load_model(tiny_model_dir), gens + critics, args)
     ids = torch.randint(3, 200, (2, 6))
     for active in gens + critics:
-        mada_rl.use_adapter(model, active)
+        mada_rl_agents.use_adapter(model, active)
         assert model.active_adapter == active
         for n, p in model.named_parameters():
             p.grad = None
         model(input_ids=ids).logits.float().pow(2).mean().backward()
         for name in gens + critics:
-            ps = mada_rl.adapter_params(model, name)
+            ps = mada_rl_agents.adapter_params(model, name)
             assert ps, name
             has = [p.grad is not None and p.grad.abs().sum().item() > 0 for p in ps.values()]
             if name == active:
@@ -109,11 +110,11 @@ def test_switching_adapters_drops_the_previous_adapters_gradients(tiny_model_dir
     to sum again (it summed them on every later step, growing them by the world size each time)."""
     gens = ["gen0", "gen1"]
     model = mada_rl.make_agents(load_model(tiny_model_dir), gens, mada_rl.Args())
-    mada_rl.use_adapter(model, "gen0")
+    mada_rl_agents.use_adapter(model, "gen0")
     model(input_ids=torch.randint(3, 200, (2, 6))).logits.float().pow(2).mean().backward()
-    assert any(p.grad is not None for p in mada_rl.adapter_params(model, "gen0").values())
-    mada_rl.use_adapter(model, "gen1")
-    assert all(p.grad is None for p in mada_rl.adapter_params(model, "gen0").values())
+    assert any(p.grad is not None for p in mada_rl_agents.adapter_params(model, "gen0").values())
+    mada_rl_agents.use_adapter(model, "gen1")
+    assert all(p.grad is None for p in mada_rl_agents.adapter_params(model, "gen0").values())
 
 
 def test_bfloat16_base_keeps_float32_adapters(tiny_model_dir):
@@ -123,7 +124,7 @@ def test_bfloat16_base_keeps_float32_adapters(tiny_model_dir):
     lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert lora and {p.dtype for p in lora.values()} == {torch.float32}
     assert {p.dtype for n, p in model.named_parameters() if "lora_" not in n} == {torch.bfloat16}
-    mada_rl.use_adapter(model, "gen0")
+    mada_rl_agents.use_adapter(model, "gen0")
     model(input_ids=torch.randint(3, 200, (2, 6))).logits.float().pow(2).mean().backward()
     assert any(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.values())
 
@@ -132,11 +133,11 @@ def test_switching_adapters_changes_outputs(tiny_model_dir):
     model = mada_rl.make_agents(load_model(tiny_model_dir), ["gen0", "critic0"], mada_rl.Args())
     ids = torch.randint(3, 200, (1, 5))
     with torch.no_grad():
-        for p in mada_rl.adapter_params(model, "critic0").values():
+        for p in mada_rl_agents.adapter_params(model, "critic0").values():
             p.add_(0.5)  # give critic0's B a non-zero value: it now differs from the base
-        mada_rl.use_adapter(model, "gen0")
+        mada_rl_agents.use_adapter(model, "gen0")
         a = model(input_ids=ids).logits
-        mada_rl.use_adapter(model, "critic0")
+        mada_rl_agents.use_adapter(model, "critic0")
         b = model(input_ids=ids).logits
         with model.disable_adapter():
             base = model(input_ids=ids).logits
@@ -234,7 +235,7 @@ def test_debate_metrics_final_rule_and_buckets():
     problems = [Problem(question=f"q{i}", answer="1", task="testbed") for i in range(4)]
     gens = [["1", "1", "1", "0"], ["1", "0", "1", "0"], ["1", "0", "0", "0"]]  # acc_G: 1, 1/3, 2/3, 0
     critics = [["1", "1", "1", "0"], ["1", "0", "1", "1"], ["0", "1", "1", "0"]]
-    m = mada_rl.debate_metrics([gens, critics], problems, 3)
+    m = mada_rl_agents.debate_metrics([gens, critics], problems, 3)
     assert m["mada/eval/single_accuracy"] == pytest.approx(6 / 12)
     assert m["mada/eval/majority_accuracy"] == pytest.approx(2 / 4)  # problems 0 and 2
     assert m["mada/eval/debate_accuracy"] == pytest.approx(8 / 12)  # mean over critics (the paper's rule)

@@ -44,7 +44,7 @@ def test_reward_model_backbone_has_no_dropout_in_train_mode(build, tmp_path):
     """ppo_slm.py trains its Bradley-Terry reward model in train mode from this loader: scores are deterministic."""
     from transformers import AutoModelForSequenceClassification
 
-    from common.models import load_score_model
+    from ppo_slm_stages import load_score_model
 
     torch.manual_seed(0)
     build(str(tmp_path))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import grpo
+from common import rollout
 
 
 def test_group_std_advantages_match_hand_computation():
@@ -98,19 +99,19 @@ def test_tis_weights_truncate_per_token_and_per_sequence():
     p = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.1, 0.2, 0.3]]))
     q = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.2, 0.4, 0.3]]))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # the 3x ratio of row 0 is masked out
-    tok = grpo.tis_weights(p, q, mask, "token", 1.5)
+    tok = rollout.tis_weights(p, q, mask, "token", 1.5)
     assert torch.allclose(tok, torch.tensor([[1.5, 1.0, 1.0], [0.5, 0.5, 1.0]]))
-    seq = grpo.tis_weights(p, q, mask, "sequence", 1.5)  # row 0: 2 x 1 -> 1.5; row 1: 0.5 x 0.5 x 1
+    seq = rollout.tis_weights(p, q, mask, "sequence", 1.5)  # row 0: 2 x 1 -> 1.5; row 1: 0.5 x 0.5 x 1
     assert torch.allclose(seq, torch.tensor([[1.5] * 3, [0.25] * 3]))
-    assert torch.equal(grpo.tis_weights(p, q, mask, "none", 1.5), torch.ones(2, 3))
+    assert torch.equal(rollout.tis_weights(p, q, mask, "none", 1.5), torch.ones(2, 3))
 
 
 def test_sampler_correction_gives_token_sums_the_trainers_divide_by_their_tokens():
     p = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.1, 0.2, 0.3]]))
     q = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.2, 0.4, 0.3]]))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # 5 tokens
-    w, stats = grpo.sampler_correction(p, q, mask, "token", 1.5)
-    assert torch.equal(w, grpo.tis_weights(p, q, mask, "token", 1.5))
+    w, stats = rollout.sampler_correction(p, q, mask, "token", 1.5)
+    assert torch.equal(w, rollout.tis_weights(p, q, mask, "token", 1.5))
     assert abs(stats["rollout/tis_weight_mean"] - (1.5 + 1.0 + 0.5 + 0.5 + 1.0)) < 1e-6  # a sum over the 5 tokens
     d = torch.tensor([0.5, 1.0, 2.0, 2.0, 1.0]).log()  # log q - log p on the 5 tokens
     assert abs(stats["rollout/mismatch_k1"] - d.sum().item()) < 1e-5
@@ -121,11 +122,11 @@ def test_sampler_mismatch_hand_values_and_zero_for_the_trainer_itself():
     # sampler log q, trainer log p on two real tokens and one masked one
     q = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
     p = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
-    _, m = grpo.sampler_correction(p, q, torch.tensor([[1.0, 1.0, 0.0]]), "none", 2.0)
+    _, m = rollout.sampler_correction(p, q, torch.tensor([[1.0, 1.0, 0.0]]), "none", 2.0)
     d = torch.tensor([math.log(2.0), 0.0])  # log q - log p
     assert m["rollout/mismatch_k1"] == pytest.approx(d.sum().item(), abs=1e-6)
     assert m["rollout/mismatch_k3"] == pytest.approx((torch.expm1(-d) + d).sum().item(), abs=1e-6)  # 0.5 - 1 + ln 2
-    _, m = grpo.sampler_correction(p, p, torch.ones(1, 3), "token", 2.0)
+    _, m = rollout.sampler_correction(p, p, torch.ones(1, 3), "token", 2.0)
     assert m == {"rollout/mismatch_k1": 0.0, "rollout/mismatch_k3": 0.0, "rollout/tis_weight_mean": 3.0}
 
 
@@ -192,7 +193,6 @@ COPIES = [  # (name in grpo.py, module, its name there)
     ("clipped_surrogate", direct_opd, "topk_clipped_surrogate"), ("clipped_surrogate", ppo_slm, "ppo_loss"),
     ("aggregate", rloo_sec, "aggregate"), ("aggregate", oc_grpo, "aggregate"), ("aggregate", direct_opd, "aggregate"),
     *[("minibatch_counts", m, "minibatch_counts") for m in (oc_grpo, rloo_sec, adakp, direct_opd, mada_rl, rlpf)],
-    *[(f, m, f) for f in ("tis_weights", "sampler_correction") for m in (oc_grpo, rloo_sec, adakp, direct_opd, rlpf)],
 ]
 MARK = "# differs from grpo.py"
 

@@ -91,7 +91,7 @@ def test_x_y_and_hinted_x_y_share_completion_columns_and_logprobs(tiny_model_dir
     x = [[5, 6, 7], [8, 9]]  # unguided prompts (different lengths: left padding differs per row)
     xh = [[11, 12, 13, 5, 6, 7], [14, 8, 9]]  # guided prompts, longer
     ys = [([20, 21, 2], "a", False), ([22, 2], "b", False)]  # completions (eos id 2 included)
-    a, b = oc_grpo.attach(x, ys, 0, 3), oc_grpo.attach(xh, ys, 0, 3)
+    a, b = oc_grpo.rollout.attach(x, ys, 0, 3), oc_grpo.rollout.attach(xh, ys, 0, 3)
     assert a.prompt_len == 3 and b.prompt_len == 6
     assert torch.equal(a.completion_ids_BC, b.completion_ids_BC)  # token t of y at column P + t in both
     assert torch.equal(a.completion_mask_BC, torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
@@ -156,7 +156,7 @@ def test_cascade_picks_the_lowest_rescuing_fraction_and_replaces_the_whole_group
 
 def test_smoke_run_guides_failed_groups_and_trains_on_the_unguided_prompt(tmp_path, weak_model_dir, monkeypatch):
     # the real engine, watched: the completion tokens of every training generation (the first one and the cascade's)
-    gen_tokens, make_engine = [], oc_grpo.make_engine
+    gen_tokens, make_engine = [], oc_grpo.rollout.make_engine
 
     def watched_engine(*a, **k):
         engine = make_engine(*a, **k)
@@ -170,7 +170,7 @@ def test_smoke_run_guides_failed_groups_and_trains_on_the_unguided_prompt(tmp_pa
         engine.generate = watch
         return engine
 
-    monkeypatch.setattr(oc_grpo, "make_engine", watched_engine)
+    monkeypatch.setattr(oc_grpo.rollout, "make_engine", watched_engine)
     out = oc_grpo.main(_args(tmp_path, "--total-steps", "2", "--levels", "4", "--run-name", "smoke"))
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]

@@ -229,7 +229,7 @@ def test_mada_rl_critic_sees_a_worked_response_cut_by_smollm2_tokens(smollm2_dir
     """The critic's view of a proposal depends on the tokenizer (its budget is in tokens): with SmolLM2's BPE and
     chat template, a worked response reaches the critic prompt whole, and a cut keeps its end, the final answer."""
     import mada_rl
-    from common.data import Problem
+    from common.problem import Problem
     from common.models import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)

@@ -14,7 +14,7 @@ from PIL import Image
 import rloo_sec
 from conftest import assert_flags_documented, assert_samples
 from common.logger import read_metrics
-from common.testbed import Problem
+from common.problem import Problem
 
 TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "16", "--num-eval-problems", "8",
         "--eval-samples", "0", "--eval-every", "0"]

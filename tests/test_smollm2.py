@@ -10,7 +10,7 @@ import torch
 
 from common.data import render_prompt
 from common.models import load_model, load_tokenizer
-from common.testbed import Problem
+from common.problem import Problem
 from grounds import path_of, pretrained
 
 NAME = "smollm2-135m-instruct"

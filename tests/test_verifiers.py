@@ -86,7 +86,7 @@ def test_hashes_answer_keeps_list_commas_and_drops_thousands_separators():
 
 
 def test_nl_answer_rule_boxed_then_answer_is_then_last_number():
-    from common.testbed import Problem
+    from common.problem import Problem
     from common.verifiers import score
 
     replies = {

@@ -42,12 +42,12 @@ def _greedy_equal(s):
 
 
 def per_token_mismatch(trainer_logp_BC, r) -> dict:
-    """rollout/mismatch_k1 and _k3 of the rollouts `r` as a trainer logs them: grpo.py's token sums (its
-    sampler_correction) over the completion tokens, divided by their number."""
-    import grpo
+    """rollout/mismatch_k1 and _k3 of the rollouts `r` as a trainer logs them: the token sums of
+    common.rollout.sampler_correction over the completion tokens, divided by their number."""
+    from common.rollout import sampler_correction
 
     mask_BC = r.completion_mask_BC
-    _, sums = grpo.sampler_correction(trainer_logp_BC * mask_BC, r.sampler_logp_BC, mask_BC, "none", 2.0)
+    _, sums = sampler_correction(trainer_logp_BC * mask_BC, r.sampler_logp_BC, mask_BC, "none", 2.0)
     return {k: sums[k] / mask_BC.sum().item() for k in ("rollout/mismatch_k1", "rollout/mismatch_k3")}
 
 
