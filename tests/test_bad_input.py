@@ -199,6 +199,19 @@ def test_a_derived_batch_size_on_the_command_line_is_refused_not_replaced(tmp_pa
         _assert_one_line_error(str(info.value), pattern)
 
 
+@pytest.mark.parametrize("module, extra, pattern", [
+    (ppo_slm, ["--num-minibatches", "3"], r"--num-minibatches 3 is derived, not set: .* = 4 here"),
+    (mada_rl, ["--total-steps", "10"], r"--total-steps 10 is derived, not set: .* = 480 here"),
+], ids=["ppo_slm", "mada_rl"])
+def test_a_derived_count_on_the_command_line_is_refused_not_replaced(tmp_path, module, extra, pattern):
+    """ppo_slm's --num-minibatches (--num-prompts / --minibatch-size) and mada_rl's --total-steps (each agent's steps,
+    summed) are derived: a different value given is a one-line error before any model loads, never overwritten."""
+    flags = ["--model-name", str(tmp_path / "no_such_model"), "--output-dir", str(tmp_path / "runs"), *extra]
+    with pytest.raises(SystemExit) as info:
+        module.main(tyro.cli(module.Args, args=flags))
+    _assert_one_line_error(str(info.value), pattern)
+
+
 def test_an_embedded_name_matches_without_regard_to_case(smollm2_dir):
     """The README's prose spelling `SmolLM2-135M-Instruct` is the embedded model, not a hub id that costs a minute
     of connection retries."""
