@@ -116,44 +116,42 @@ def chat_config_model_dir(tmp_path_factory):
     return path
 
 
+def fork_files(script: str) -> list[str]:
+    """What a fork of `script` copies, as its docs page says it: the `backticked` files and folders of the first
+    sentence after "**Fork**:" in docs/<trainer>.md (e.g. `grpo.py` and `common/`).
+
+    >>> fork_files("grpo.py")
+    ['grpo.py', 'common/']
+    """
+    text = open(os.path.join(ROOT, "docs", script[:-3] + ".md")).read()
+    text = text[text.index("**Fork**:") + len("**Fork**:"):]
+    names, inside, end = [], False, len(text)
+    for i, c in enumerate(text):  # the sentence ends at the first '.' that is not inside backticks
+        if c == "`":
+            inside = not inside
+        elif c == "." and not inside:
+            end = i
+            break
+    names = text[:end].split("`")[1::2]
+    return [n for n in names if os.path.exists(os.path.join(ROOT, n))]
+
+
 @pytest.fixture
 def copy_alone(tmp_path):
-    """copy_alone("grpo.py") -> a fresh folder holding only that trainer and what it imports of this project (common/,
-    and grounds/, code_env/ or ppo_slm_stages.py where it uses them; no tests, no other trainer), to run it from as a
-    user who copied just those would."""
-    import ast
+    """copy_alone("grpo.py") -> a fresh folder holding only what the trainer's docs page says a fork copies
+    (`fork_files`: the trainer and common/, and e.g. code_env/ or ppo_slm_stages.py where it needs them; no grounds/,
+    no tests, no other trainer), to run it from as a user who copied just those would."""
     import shutil
-
-    def local_imports(path: str) -> set:
-        """Top-level names of this project's modules and packages that the file at `path` imports, anywhere in it."""
-        found = set()
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
-            elif isinstance(node, ast.Import):
-                found |= {a.name.split(".")[0] for a in node.names}
-        return {n for n in found
-                if os.path.isdir(os.path.join(ROOT, n)) or os.path.isfile(os.path.join(ROOT, n + ".py"))}
 
     def copy(script: str) -> str:
         folder = tmp_path / f"alone_{script[:-3]}"
         folder.mkdir()
-        shutil.copy(os.path.join(ROOT, script), folder / script)
-        todo, done = local_imports(os.path.join(ROOT, script)), set()
-        while todo:  # what the trainer imports, and what those import in turn
-            name = todo.pop()
-            if name in done:
-                continue
-            done.add(name)
+        for name in fork_files(script):
             src = os.path.join(ROOT, name)
             if os.path.isdir(src):
                 shutil.copytree(src, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
-                files = [os.path.join(src, f) for f in os.listdir(src) if f.endswith(".py")]
             else:
-                shutil.copy(src + ".py", folder / (name + ".py"))
-                files = [src + ".py"]
-            for f in files:
-                todo |= local_imports(f) - done
+                shutil.copy(src, folder / name)
         return str(folder)
 
     return copy

@@ -29,10 +29,10 @@ def test_help_documents_every_flag():
 
 
 def test_subprocess_smoke_run(tmp_path, weak_model_dir, copy_alone):
-    """Run from a folder holding only grpo.py and common/."""
-    r = subprocess.run([sys.executable, "grpo.py", *TINY, "--total-steps", "2", "--output-dir", str(tmp_path),
-                        "--run-name", "smoke"], cwd=copy_alone("grpo.py"), env=alone_env(), capture_output=True,
-                       text=True, timeout=300)
+    """Run from a folder holding only grpo.py and common/ (a fork: no grounds/, so the model is a local folder)."""
+    r = subprocess.run([sys.executable, "grpo.py", *TINY, "--model-name", weak_model_dir, "--total-steps", "2",
+                        "--output-dir", str(tmp_path), "--run-name", "smoke"], cwd=copy_alone("grpo.py"),
+                       env=alone_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "held-out greedy accuracy" in r.stdout
     rows = read_metrics(tmp_path / "smoke" / "metrics.jsonl")
