@@ -41,9 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import tyro
-
-from common.args import TrainArgs, check_run_args, fail
+from common.args import TrainArgs, check_run_args, cli, fail
 
 
 @dataclass
@@ -126,7 +124,7 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = tyro.cli(Args)
+    ARGS = cli(Args)  # with --resume: the run's args.json for every flag not given
 
 import numpy as np
 import torch

@@ -42,9 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import tyro
-
-from common.args import ExperimentArgs, check_at_least, check_sampling_args
+from common.args import ExperimentArgs, check_at_least, check_sampling_args, cli
 
 
 @dataclass
@@ -176,7 +174,7 @@ class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = tyro.cli(Args)
+    ARGS = cli(Args)  # with --resume: the run's args.json for every flag not given
 
 import numpy as np
 import torch

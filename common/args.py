@@ -43,7 +43,10 @@ class ExperimentArgs:
 @dataclass
 class RunArgs(ExperimentArgs):
     resume: str = ""
-    """path of a run folder to continue from its latest checkpoint"""
+    """path of a run folder to continue from its latest checkpoint; the flags not given take that run's args.json
+    values (a trainer's command line: common.args.cli)"""
+    new_eval_set: bool = False
+    """with --resume: allow flags that change the held-out evaluation set (the run's curve then mixes two sets)"""
     save_every: int = 0
     """write a checkpoint every N steps (0: only at the end)"""
     save_optimizer: bool = True
@@ -162,6 +165,40 @@ class TrainArgs(RunArgs):
     """evaluate every N steps (0: only before and after training)"""
     num_eval_problems: int = 200
     """held-out problems per evaluation"""
+
+
+EVAL_SET = ("seed", "dataset", "dataset_config", "eval_dataset", "eval_split", "levels", "num_eval_problems")
+"""the flags that decide which problems the held-out evaluation asks (--seed: which testbed problems are held out)"""
+
+
+def cli(Args, argv: list[str] | None = None):
+    """A trainer's flags from its command line (tyro). With --resume <run folder>: every flag not given takes the value
+    in that run's args.json, so the resumed steps run, and are evaluated, as the first ones were; a given flag that
+    changes the evaluation set (EVAL_SET) is a one-line error unless --new-eval-set. main() called from Python takes
+    its Args as they are."""
+    import dataclasses
+    import json
+
+    import tyro
+
+    args = tyro.cli(Args, args=argv)
+    path = os.path.join(getattr(args, "resume", ""), "args.json")  # ppo_slm.py has no --resume
+    if not getattr(args, "resume", "") or not os.path.isfile(path):  # a folder without args.json: open_checkpoint says what is wrong
+        return args
+    with open(path) as f:
+        saved = json.load(f)
+    fields = {f.name: f for f in dataclasses.fields(Args) if f.init}
+    base, kept = Args(), {}
+    for name, value in saved.items():
+        if name in fields and name not in ("resume", "new_eval_set"):
+            kept[name] = tuple(value) if isinstance(getattr(base, name), tuple) and isinstance(value, list) else value
+    args = tyro.cli(Args, args=argv, default=dataclasses.replace(base, **kept))
+    changed = [n for n in EVAL_SET if n in kept and getattr(args, n) != kept[n]]
+    if changed and not args.new_eval_set:
+        fail(f"--resume {args.resume}: " + ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)!r} (the run had "
+             f"{kept[n]!r})" for n in changed) + " would change the held-out evaluation set mid-run; drop the flag, "
+             "or add --new-eval-set")
+    return args
 
 
 def check_at_least(args, lo: int, *names: str) -> None:

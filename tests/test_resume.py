@@ -326,3 +326,32 @@ def test_a_weights_only_checkpoint_loads_as_a_model_and_is_refused_by_resume(tmp
                                             "--resume", out["run_dir"]]))
     assert "\n" not in str(e.value)
     assert open(os.path.join(out["run_dir"], "metrics.jsonl")).read() == before
+
+
+def test_resume_from_the_command_line_takes_the_runs_flags_and_refuses_a_new_evaluation_set(tmp_path):
+    """`--resume runs/x --total-steps 80` (issue 58): every flag not given comes from runs/x/args.json, so the resumed
+    steps are evaluated on the first steps' problems (before: the defaults, 200 problems after 40, one curve mixing
+    two sets); a given flag that changes the evaluation set is a one-line error unless --new-eval-set."""
+    import dataclasses
+    import json
+
+    import grpo
+    from common.args import cli
+
+    run_dir = tmp_path / "x"
+    run_dir.mkdir()
+    first = cli(grpo.Args, ["--num-eval-problems", "40", "--eval-every", "20", "--levels", "2", "3",
+                            "--learning-rate", "1e-4", "--total-steps", "60"])
+    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(first)))
+    resumed = cli(grpo.Args, ["--resume", str(run_dir), "--total-steps", "80"])
+    assert (resumed.num_eval_problems, resumed.eval_every, resumed.levels, resumed.learning_rate) == (40, 20, (2, 3),
+                                                                                                     1e-4)
+    assert resumed.total_steps == 80 and resumed.resume == str(run_dir)
+    assert cli(grpo.Args, ["--total-steps", "80"]).num_eval_problems == 200  # a new run: the defaults
+    with pytest.raises(SystemExit, match=r"^error: --resume .*: --num-eval-problems 200 \(the run had 40\) would "
+                                         r"change the held-out evaluation set mid-run; drop the flag, or add "
+                                         r"--new-eval-set$"):
+        cli(grpo.Args, ["--resume", str(run_dir), "--num-eval-problems", "200"])
+    assert cli(grpo.Args, ["--resume", str(run_dir), "--num-eval-problems", "200",
+                           "--new-eval-set"]).num_eval_problems == 200
+    assert cli(grpo.Args, ["--resume", str(run_dir), "--eval-every", "10"]).eval_every == 10  # the same set, more often
