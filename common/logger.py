@@ -29,7 +29,7 @@ from common.args import fail
 from common.dist import all_reduce_sum
 
 CONSOLE_KEYS = ("reward/mean", "train/accuracy", "adv/frac_zero_std", "loss/policy", "policy/entropy",
-                "rollout/completion_len", "perf/step_time", "eval/greedy_accuracy")
+                "rollout/completion_len", "rollout/truncated_frac", "perf/step_time", "eval/greedy_accuracy")
 SAMPLES = "samples/"
 """metrics whose key starts with this hold lists of sample dicts (`sample_rows`): they go to samples.jsonl, not to
 metrics.jsonl ('samples/train': the step's rollouts, 'samples/eval': greedy held-out answers)"""
@@ -53,6 +53,7 @@ class RunLogger:
 
     def __init__(self, args, run_dir: str, enabled: bool = True, extra: tuple[str, ...] = ()):
         self.run_dir, self.enabled, self.extra, self.stuck = run_dir, enabled, extra, []
+        self.max_new_tokens, self.cut_warned = getattr(args, "max_new_tokens", None), False
         self.wandb = self.samples_file = self.last = None  # last: the last row of metrics.jsonl (resumed: checkpoint's)
         if not enabled:  # non-zero ranks under torchrun
             return
@@ -96,11 +97,20 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(row, step=step)
         shown = [(k.split("/")[-1], [new[k]]) for k in CONSOLE_KEYS if k in new]
-        shown += [(p.strip("/").split("/")[-1], [v for k, v in new.items() if k.startswith(p)]) for p in self.extra]
+        for p in self.extra:  # a group of keys (rloo_sec's sec/prob/arm_<name>) is labelled by its members' names
+            keys = [k for k in new if k.startswith(p)]
+            names = "/".join(k[len(p):].removeprefix("arm_") for k in keys)
+            shown.append((p.strip("/").split("/")[-1] + (f"[{names}]" if names else ""), [new[k] for k in keys]))
         line = f"step {step:>4} " + " ".join(name + "=" + "/".join(f"{v:.3g}" for v in vs) for name, vs in shown
                                              if vs and all(isinstance(v, (int, float)) for v in vs))
         write = bar.write if bar is not None else print
         write(line)
+        cut = new.get("eval/truncated_frac")
+        if cut is not None and cut >= 0.5 and not self.cut_warned:  # at the first evaluation, before any training
+            self.cut_warned = True
+            write(f"warning: {100 * cut:.0f} % of the held-out greedy answers reached --max-new-tokens "
+                  f"{self.max_new_tokens} and were cut (a cut answer scores 0, and training rollouts will be cut "
+                  "alike): raise --max-new-tokens")
         for key, rows in samples.items():
             self.log_samples(step, key[len(SAMPLES):], rows, write)
 

@@ -87,6 +87,28 @@ def grpo_run(tmp_path_factory, tiny_model_dir):
     return out, console.getvalue()
 
 
+def test_a_first_evaluation_of_cut_answers_is_said_before_training_and_the_step_line_shows_the_cut_fraction(grpo_run):
+    """A random model never ends an answer within 4 tokens: the step-0 evaluation already knows every answer was cut
+    (they score 0), and one line says so before the first step, naming --max-new-tokens (issue 58: before, a short
+    run never said why it learned nothing). Each step's line shows rollout/truncated_frac."""
+    out, console = grpo_run
+    cut = strict_rows(os.path.join(out["run_dir"], "metrics.jsonl"))[0]["eval/truncated_frac"]
+    lines = console.splitlines()
+    warned = [i for i, ln in enumerate(lines) if ln.startswith("warning: ") and "--max-new-tokens 4 " in ln]
+    assert cut >= 0.5 and len(warned) == 1, console  # once, though the step-1 evaluation is cut as well
+    assert lines[warned[0]].startswith(f"warning: {100 * cut:.0f} % of the held-out greedy answers reached "
+                                       "--max-new-tokens 4 and were cut")
+    steps = [i for i, ln in enumerate(lines) if ln.startswith("step ") and "mean=" in ln]
+    assert len(steps) == 2 and warned[0] < steps[0] and all(" truncated_frac=" in lines[i] for i in steps)
+
+
+def test_answers_mostly_ended_give_no_cut_warning(tmp_path, capsys):
+    logger = RunLogger(RunArgs(max_new_tokens=48), str(tmp_path))
+    logger.log(0, {"eval/greedy_accuracy": 0.3, "eval/truncated_frac": 0.45})
+    logger.close(plot=False)
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_a_run_writes_one_metrics_row_per_step(grpo_run):
     out, _ = grpo_run
     rows = strict_rows(os.path.join(out["run_dir"], "metrics.jsonl"))
@@ -105,7 +127,7 @@ def test_curve_draws_a_trainers_own_metrics_in_a_second_panel(tmp_path, capsys):
     for step, p in ((1, 0.5), (2, 0.75)):
         logger.log(step, {"reward/mean": p, "sec/prob/arm_1": p, "sec/prob/arm_2": 1 - p, "sec/q/arm_1": 0.1})
     logger.close()
-    assert capsys.readouterr().out.splitlines()[-1] == "step    2 mean=0.75 prob=0.75/0.25"
+    assert capsys.readouterr().out.splitlines()[-1] == "step    2 mean=0.75 prob[1/2]=0.75/0.25"  # labelled by arm
     drawn = Image.open(tmp_path / "curve.png").text["Description"]
     assert drawn == "curves: reward/mean, sec/prob/arm_1, sec/prob/arm_2", drawn
 

@@ -156,8 +156,8 @@ def test_smoke_run_logs_the_bandit_per_arm(tmp_path, weak_model_dir, capsys):
                               "--num-iterations", "2", "--run-name", "smoke"))
     # the curriculum is shown: each step's console line and a panel of curve.png carry the arms' probabilities
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ") and "mean=" in line]
-    assert len(steps) == 3 and all(" prob=" in line for line in steps), steps
-    assert steps[0].endswith("prob=0.333/0.333/0.333"), steps[0]  # Q starts at 0: uniform over levels 1-3
+    assert len(steps) == 3 and all(" prob[1/2/3]=" in line for line in steps), steps
+    assert steps[0].endswith("prob[1/2/3]=0.333/0.333/0.333"), steps[0]  # Q starts at 0: uniform over levels 1-3
     drawn = Image.open(os.path.join(out["run_dir"], "curve.png")).text["Description"]
     assert all(f"sec/prob/arm_{k}" in drawn for k in (1, 2, 3)), drawn
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
