@@ -323,7 +323,7 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     sampler = data.PromptSampler(records, args.seed + 1000 * stage + agent)  # the same on every rank
     steps = args.generator_steps if stage == 1 else args.critic_steps
-    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=rank != 0)
+    bar = tqdm(range(step0 + 1, step0 + steps + 1), desc=f"{args.exp_name} {name}", disable=logger.bars_off(rank))
     for step in bar:
         if ctrl_c is not None:
             ctrl_c.step = step  # mada_rl.py writes no checkpoints: a Ctrl-C quits at once, saying so

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from common.args import fail
 from common.data import load_problems, read_json_records, render_prompt
+from common.logger import bars_off
 from common.models import add_lora, disable_dropout, load_model, mask_padded_head
 from common.rollout import left_pad, position_ids
 from common.testbed import render_testbed_prompt
@@ -197,7 +198,7 @@ def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr:
     """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `pairs`."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     rng = random.Random(seed)
-    for _ in tqdm(range(steps), desc=desc, leave=False):
+    for _ in tqdm(range(steps), desc=desc, leave=False, disable=bars_off()):
         loss = loss_fn(rng.sample(pairs, min(batch_size, len(pairs))))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from common.data import encode_prompts, render_prompt
 from common.dist import all_reduce_sum, rank_world
-from common.logger import sample_rows, without_samples
+from common.logger import bars_off, sample_rows, without_samples
 from common.verifiers import format_reward, score
 
 
@@ -27,7 +27,7 @@ def answer_bar(total: int, what: str, max_new_tokens: int) -> tqdm:
     """Rank 0's bar over `total` answers (`what (up to N new tokens an answer): k/total answers`) for an engine's
     `on_answers`; no clock (the answers of one batch end together, the cut ones last), cleared when closed."""
     return tqdm(total=total, desc=f"{what} (up to {max_new_tokens} new tokens an answer)", leave=False,
-                bar_format="{desc}: {n}/{total} answers", disable=rank_world()[0] != 0)
+                bar_format="{desc}: {n}/{total} answers", disable=bars_off(rank_world()[0]))
 
 
 def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples: int = 0, temperature: float = 1.0,

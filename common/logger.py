@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from contextlib import contextmanager
 
@@ -166,9 +167,17 @@ def _plain(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def bars_off(rank: int = 0) -> bool:
+    """tqdm's `disable` for every progress bar: on rank 0 only, and only when stderr is a terminal, where a bar redraws
+    itself in place; written to a file its redraws would run into the step lines, which say the same. The environment
+    variable TINYPOST_PROGRESS=1 shows the bars anyway, 0 never."""
+    wanted = os.environ.get("TINYPOST_PROGRESS", "auto")
+    return rank != 0 or wanted == "0" or (wanted != "1" and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()))
+
+
 def step_bar(args, start_step: int, rank: int):
     """The progress bar over steps start_step + 1 .. total_steps (rank 0 only): tqdm over that range."""
-    return tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=rank != 0,
+    return tqdm(range(start_step + 1, args.total_steps + 1), desc=args.exp_name, disable=bars_off(rank),
                 initial=start_step, total=args.total_steps)
 
 

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from code_env.tasks import TASKS, CodeTask, render_code_prompt
+from common.logger import bars_off
 from grounds.cache import build_once, cache_root
 from grounds.testbed_models import CODE_MODEL, build_tokenizer, supervised_step
 
@@ -76,7 +77,7 @@ def _build_code_model(tmp: str, progress: bool) -> None:
         1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / (steps - warmup))))))
     model.train()
     t0 = time.time()
-    for _ in tqdm(range(steps), desc=f"warm-starting {CODE_MODEL}", disable=not progress, leave=False):
+    for _ in tqdm(range(steps), desc=f"warm-starting {CODE_MODEL}", disable=not progress or bars_off(), leave=False):
         batch = [rng.choice(tasks) for _ in range(r["batch"])]
         loss = supervised_step(model, tok, [render_code_prompt(t) for t in batch], [sft_program(rng, t) for t in batch],
                                opt, sched)

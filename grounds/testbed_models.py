@@ -18,6 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from common.logger import bars_off
 from common.rollout import HFEngine, completion_logprobs
 from common.problem import Problem
 from common.testbed import BOS_CHAT, EOS, PAD, is_calibration, make_suite, render_testbed_prompt
@@ -207,7 +208,7 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     t0 = time.time()
     bar = tqdm(total=next_check(name, 0), desc=f"warm-starting {name} (stops when calibrated, usually by step "
-               f"~{TYPICAL.get(name, {}).get('steps', r['sft_steps'])})", disable=not progress, leave=False)
+               f"~{TYPICAL.get(name, {}).get('steps', r['sft_steps'])})", disable=not progress or bars_off(), leave=False)
     for step in range(1, r["max_steps"] + 1):
         model.train()
         pairs = [sft_example(rng, problems, weights, r.get("guided", SFT_GUIDED_FRACTION)) for _ in range(r["batch"])]
@@ -296,7 +297,7 @@ def rft_improve(model, tokenizer, recipe: dict, progress: bool = True) -> list[f
     engine = HFEngine(model, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"])
     kept_frac = []
-    for _ in tqdm(range(recipe["steps"]), desc="teacher RFT", disable=not progress, leave=False):
+    for _ in tqdm(range(recipe["steps"]), desc="teacher RFT", disable=not progress or bars_off(), leave=False):
         batch = rng.sample(problems, recipe["prompts"])
         ids = tokenizer([render_testbed_prompt(p.question) for p in batch], add_special_tokens=False)["input_ids"]
         out = engine.generate(ids, n=recipe["samples"], max_new_tokens=recipe["max_new_tokens"])

@@ -8,6 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+os.environ["TINYPOST_PROGRESS"] = "1"  # the bars on, though pytest captures stderr (tests/test_progress.py: off)
 torch.set_num_threads(2)
 
 

@@ -7,10 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import types
 
+import pytest
 import torch
 
 from common.evaluate import evaluate
+from common.logger import step_bar
 from common.models import load_model, load_tokenizer
 from common.rollout import HFEngine
 from common.testbed import make_suite
@@ -27,6 +30,18 @@ def test_an_evaluation_shows_a_bar_over_its_answers_and_clears_it(tiny_model_dir
     assert console.err.rstrip(" \r").endswith("answers")  # then blanked out: leave=False
     assert console.err.endswith("\r") and console.out == ""  # the console's lines (stdout) are untouched
     assert all(k.startswith("eval/") for k in out) and out["eval/num_problems"] == 4  # no progress in the metrics
+
+
+@pytest.mark.parametrize("setting", ["auto", "0"])
+def test_no_bar_where_stderr_is_a_file_or_bars_are_turned_off(tiny_model_dir, capsys, monkeypatch, setting):
+    """Written to a file (pytest's capture is not a terminal), a bar's redraws would run into the step lines (issue
+    58): by default the bars show only on a terminal; TINYPOST_PROGRESS=0 turns them off there too (=1, on: the other
+    tests here)."""
+    monkeypatch.setenv("TINYPOST_PROGRESS", setting)
+    tok = load_tokenizer(tiny_model_dir)
+    out = evaluate(HFEngine(load_model(tiny_model_dir), tok), tok, make_suite("test", levels=(1,), n_per_level=2), 2)
+    assert out["eval/num_problems"] == 2 and "held-out evaluation" not in capsys.readouterr().err
+    assert step_bar(types.SimpleNamespace(total_steps=3, exp_name="x"), 0, 0).disable
 
 
 def test_the_sampler_counts_answers_as_they_end_so_an_evaluation_bar_moves_within_one_batch(tiny_model_dir):
