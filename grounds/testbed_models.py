@@ -166,6 +166,17 @@ def next_check(name: str, step: int) -> int:
     return r["sft_steps"] + ((step - r["sft_steps"]) // r["check_every"] + 1) * r["check_every"]
 
 
+def bar_end(name: str, step: int) -> int:
+    """Where the warm start's bar ends at `step`: the step a build usually stops at (TYPICAL), and once past it the
+    next calibration check, never past max_steps (so the bar never shows a total the line above it calls short).
+
+    >>> bar_end("testbed-weak", 0), bar_end("testbed-weak", 460), bar_end("testbed-weak", 470)
+    (470, 470, 480)
+    """
+    usual = TYPICAL.get(name, {}).get("steps", 0)
+    return min(max(next_check(name, step), usual), RECIPES[name]["max_steps"])
+
+
 def warm_start_plan(name: str) -> str:
     """What a build of testbed model `name` does and how long it takes, for the line that starts it."""
     r, typical = RECIPES[name], TYPICAL.get(name, {})
@@ -185,9 +196,9 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
     on, disjoint from the held-out one); the first check that reaches `target` ends the warm start.
     Between machines (CPU kernels, torch version, thread count) the step count differs and so do the other levels'
     accuracies (docs/testbed.md: level 1 0.765-1.000 over 11 builds); level 3 lands in its band. Returns the steps taken;
-    fails with a clear error at `max_steps`. With `progress`, a bar runs to the next check (`next_check`: the
-    end of the schedule, then check after check, so its ETA is for that, not for `max_steps`) and each check
-    prints one line with the accuracy it measured.
+    fails with a clear error at `max_steps`. With `progress`, a bar runs to where a build usually stops and then to
+    the next check (`bar_end`, so its ETA is for that, not for `max_steps`) and each check prints one line with the
+    accuracy it measured.
     """
     r = RECIPES[name]
     rng = random.Random(seed)
@@ -207,7 +218,7 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     t0 = time.time()
-    bar = tqdm(total=next_check(name, 0), desc=f"warm-starting {name} (stops when calibrated, usually by step "
+    bar = tqdm(total=bar_end(name, 0), desc=f"warm-starting {name} (stops when calibrated, usually by step "
                f"~{TYPICAL.get(name, {}).get('steps', r['sft_steps'])})", disable=not progress or bars_off(), leave=False)
     for step in range(1, r["max_steps"] + 1):
         model.train()
@@ -218,7 +229,7 @@ def warm_start(model, tokenizer, name: str, seed: int = 0, progress: bool = True
             model.eval()
             acc = greedy_accuracy(model, tokenizer, calib)
             ok, following = acc >= r["target"], next_check(name, step)
-            bar.total = min(following, r["max_steps"])  # the bar runs to the next check, and so does its ETA
+            bar.total = bar_end(name, step)  # the usual end, then the next check; and so does its ETA
             bar.set_postfix(loss=f"{loss.item():.3f}", calib=f"{acc:.3f}")
             if progress:
                 tqdm.write(f"[testbed] {name} step {step} ({time.time() - t0:.0f} s): level-{CALIB_LEVEL} accuracy "

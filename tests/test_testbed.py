@@ -76,6 +76,10 @@ def test_warm_start_progress_runs_to_the_next_calibration_check_not_to_the_step_
     steps), not at max_steps (3,000), where a bar once showed a 4.5-hour ETA for a build that stops near step 470."""
     assert [testbed_models.next_check("testbed-weak", s) for s in (0, 449, 450, 455, 460)] == [450, 450, 460, 460, 470]
     assert testbed_models.next_check("testbed-strong", 0) == 900
+    # the bar's total is where a build usually stops (the line above it says "usually by step ~470"), then the next
+    # check: never a total of 450 under a promise of 470 (issue 58)
+    assert [testbed_models.bar_end("testbed-weak", s) for s in (0, 450, 469, 470, 475)] == [470, 470, 470, 480, 480]
+    assert testbed_models.bar_end("testbed-strong", 0) == 910
     plan = testbed_models.warm_start_plan("testbed-weak")
     assert "450 scheduled steps" in plan and "usually by step ~470, about 3 minutes on 2 cores" in plan
 
