@@ -378,7 +378,7 @@ class CtrlC:
     def __init__(self, run_dir: str, rank: int, script: str = "", save_optimizer: bool = True, no_resume: str = ""):
         self.run_dir, self.rank, self.script = run_dir, rank, os.path.basename(script)
         self.save_optimizer, self.no_resume = save_optimizer, no_resume
-        self.step, self.asked = None, False
+        self.step, self.asked, self.quitting = None, False, threading.Lock()
 
     def say(self, line: str) -> None:
         if self.rank == 0:
@@ -389,8 +389,11 @@ class CtrlC:
         saying which checkpoint is kept (or, `no_resume`, what to do instead), and exit status 130 at once."""
         if self.step is not None and not self.asked and not self.no_resume:
             self.asked = True
+            self.watch_for_a_second_ctrl_c()
             return self.say(f"stopping after step {self.step} finishes and saving a checkpoint; Ctrl-C again to quit "
                             "at once")
+        if not self.quitting.acquire(blocking=False):  # the watcher thread is already quitting
+            return
         at = f" at step {self.step}" if self.step is not None else ""
         if self.no_resume:  # nothing to resume from, whatever the step
             self.say(f"interrupted: {self.no_resume}")
@@ -402,6 +405,22 @@ class CtrlC:
                     "no checkpoint was written yet (--save-every N writes one every N steps)")
             self.say(f"interrupted{at}: {kept}")
         os._exit(130)  # at once: no clean-up that could hang (worker pools, a vllm engine, wandb)
+
+    def watch_for_a_second_ctrl_c(self) -> None:
+        """Python runs a signal handler only between bytecodes, so a second Ctrl-C during a long torch call (a forward,
+        a generation) waited for it to return: seconds, not "at once". The interpreter's C-level handler also writes
+        the signal's number to a wakeup fd; a thread reading it quits while the main thread is still in torch (which
+        releases the GIL)."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+        def watch():
+            while os.read(read_end, 1) != bytes([signal.SIGINT]):  # another signal with a Python handler: not ours
+                pass
+            self.on_sigint()
+
+        threading.Thread(target=watch, name="second-ctrl-c", daemon=True).start()
 
     def stop_asked(self) -> bool:
         """Whether a Ctrl-C on any rank asked for a stop: one all-reduce of one number, so that every rank stops after

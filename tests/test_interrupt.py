@@ -90,6 +90,39 @@ def test_ctrl_c_in_a_trainer_without_checkpoints_is_one_line(tmp_path, tiny_mode
                      "script"], out[-3000:]
 
 
+SECOND_CTRL_C = """
+import os, signal, sys, time, torch
+from common.checkpoint import catch_ctrl_c
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal has it, even under a background pytest
+ctrl_c = catch_ctrl_c(sys.argv[1], 0, "grpo.py")
+ctrl_c.step = 3
+os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: stop after the step
+time.sleep(0.5)
+torch.set_num_threads(1)
+a = torch.randn(3000, 3000) / 60
+print("long call", flush=True)
+torch.linalg.matrix_power(a, 2 ** 62)  # one torch call of 62 products of 3000 x 3000: about a minute
+print("returned", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_quits_at_once_even_inside_a_long_torch_call(tmp_path):
+    """The second Ctrl-C while the main thread is inside one long torch call (a forward, a generation): before, Python
+    ran the handler only when the call returned (about 10 s into a SmolLM2 step, issue 58); now a thread woken by the
+    interpreter's wakeup fd quits at once with the usual line and status 130."""
+    proc = subprocess.Popen([sys.executable, "-c", SECOND_CTRL_C, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline() == "long call\n"
+    time.sleep(1.0)  # inside matrix_power
+    sent = time.time()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    waited = time.time() - sent
+    assert proc.returncode == 130 and "returned" not in out, (out, err)
+    assert "stopping after step 3 finishes" in err and "interrupted at step 3: no checkpoint was written yet" in err
+    assert waited < 20, waited  # the call itself runs for a minute or more
+
+
 class Count:
     """Calls to `fn`, passed through to it."""
 
@@ -134,8 +167,8 @@ def test_steps_without_learning_signal_skip_their_update_and_warn_once(tmp_path,
     assert all(torch.equal(start[k], end[k]) for k in start)
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     assert state["optimizer"]["state"] == {} and state["scheduler"]["last_epoch"] == 0  # AdamW never stepped
-    warnings = [line for line in console.splitlines() if line.startswith("warning:")]
-    cut = rows[3]["rollout/truncated_frac"]
+    warnings = [line for line in console.splitlines() if line.startswith("warning: steps")]  # (and the step-0 cut
+    cut = rows[3]["rollout/truncated_frac"]  # warning: tests/test_logger.py)
     assert warnings == ["warning: steps 1-3 had no learning signal (every advantage 0; updates skipped); every group's "
                         "rewards were equal; none correct; " + (
                             f"{100 * cut:.0f} % of completions were cut at --max-new-tokens 1: raise it" if cut >= 0.5
@@ -168,7 +201,7 @@ def test_the_other_group_trainers_skip_a_step_without_signal_too(tmp_path, tiny_
     rows = _rows(out["run_dir"])
     assert sorted(rows) == [1, 2, 3]
     assert all(r["update/skipped"] == 1 and r["optim/grad_norm"] == 0 and r["loss/policy"] == 0 for r in rows.values())
-    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: steps")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: steps 1-3 had no learning signal (every advantage "
                                                          "0; updates skipped)"), warnings
 
