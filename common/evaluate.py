@@ -70,7 +70,8 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
     out.update({f"eval/greedy_accuracy/level_{lv}": total[4 + 2 * i] / max(total[5 + 2 * i], 1)
                 for i, lv in enumerate(levels) if len(levels) > 1})
     if num_samples > 0:  # sampled accuracy over all the samples, pass@k over the problems
-        out.update({"eval/sampled_accuracy": total[-3] / total[-2], "eval/pass_at_k": total[-1] / total[1]})
+        out.update({"eval/sampled_accuracy": total[-3] / total[-2], "eval/pass_at_k": total[-1] / total[1],
+                    "eval/pass_k": k})
     if log_samples > 0 and counted:
         out["samples/eval"] = sample_rows(tokenizer, greedy, share[:counted], log_samples, correct=correct)
     return out

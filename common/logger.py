@@ -325,11 +325,19 @@ def plot_curve(metrics_path: str, out_path: str, extra: tuple[str, ...] = ()) ->
     fig, axes = plt.subplots(2 if extra else 1, 1, figsize=(6, 6 if extra else 3.5), sharex=True, squeeze=False)
     curves = [(0, k, s) for k, s in (("reward/mean", "-"), ("eval/greedy_accuracy", "o-"), ("eval/pass_at_k", "s--"))]
     curves += [(1, k, "-") for k in dict.fromkeys(k for r in rows for k in r if extra and k.startswith(extra))]
+    k = next((r["eval/pass_k"] for r in rows if "eval/pass_k" in r), None)
     for panel, key, style in curves:
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if pts:
-            axes[panel, 0].plot(*zip(*pts), style, label=key, markersize=3)
+            label = f"{key} (k = {k})" if key == "eval/pass_at_k" and k else key
+            axes[panel, 0].plot(*zip(*pts), style, label=label, markersize=3)
     axes[0, 0].set_ylim(min(axes[0, 0].get_ylim()[0], -0.02), max(axes[0, 0].get_ylim()[1], 1.02))  # 0 to 1 at least
+    run = os.path.dirname(os.path.abspath(metrics_path))
+    axes[0, 0].set_title(os.path.basename(run) + ": reward on training rollouts, accuracy on held-out problems",
+                         fontsize=9)
+    axes[0, 0].set_ylabel("reward / accuracy")
+    if extra:
+        axes[1, 0].set_ylabel(", ".join(p.strip("/") for p in extra), fontsize=8)
     axes[-1, 0].set_xlabel("step")
     for ax in axes[:, 0]:
         ax.grid(alpha=0.3)
@@ -337,5 +345,6 @@ def plot_curve(metrics_path: str, out_path: str, extra: tuple[str, ...] = ()) ->
             ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
     drawn = [line.get_label() for ax in axes[:, 0] for line in ax.lines]
-    fig.savefig(out_path, dpi=100, metadata={"Description": "curves: " + ", ".join(drawn)})
+    fig.savefig(out_path, dpi=100, metadata={"Title": axes[0, 0].get_title(),
+                                             "Description": "curves: " + ", ".join(drawn)})
     plt.close(fig)

@@ -132,6 +132,17 @@ def test_curve_draws_a_trainers_own_metrics_in_a_second_panel(tmp_path, capsys):
     assert drawn == "curves: reward/mean, sec/prob/arm_1, sec/prob/arm_2", drawn
 
 
+def test_curve_names_its_run_and_the_k_of_pass_at_k(tmp_path):
+    run = tmp_path / "grpo_seed3"
+    logger = RunLogger(ExperimentArgs(), str(run))
+    for step in (0, 10):
+        logger.log(step, {"reward/mean": 0.5, "eval/greedy_accuracy": 0.4, "eval/pass_at_k": 0.7, "eval/pass_k": 4})
+    logger.close()
+    png = Image.open(run / "curve.png").text
+    assert png["Title"] == "grpo_seed3: reward on training rollouts, accuracy on held-out problems", png
+    assert png["Description"] == "curves: reward/mean, eval/greedy_accuracy, eval/pass_at_k (k = 4)", png
+
+
 def test_a_sample_keeps_a_gsm8k_prompt_whole(smollm2_dir):
     from common.data import render_prompt
     from common.models import load_tokenizer
