@@ -14,7 +14,7 @@ import tyro
 from conftest import ROOT
 
 TRAINERS = ("grpo", "oc_grpo", "rloo_sec", "adakp", "mada_rl", "direct_opd", "rlpf", "ppo_slm")
-COMMAND = re.compile(r"^ {4,}(?:\S+=\S+\s+)*(?:python|torchrun(?:\s+--[\w-]+(?:[ =]\S+)?)*)\s+(\w+)\.py\b(.*)$")
+COMMAND = re.compile(r"^ {4,}(?:\S+=\S+\s+)*(?:\S*python3?|torchrun(?:\s+--[\w-]+(?:[ =]\S+)?)*)\s+(\w+)\.py\b(.*)$")
 
 
 def documented_commands() -> list[tuple[str, str, list[str]]]:
