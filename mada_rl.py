@@ -35,6 +35,7 @@ A_C is used as is (no running-std rescaling). Length is counted in completion to
 Shapes: B rows (= P prompts x G group), T tokens per row, C completion tokens, N generators, M critics.
 """
 
+import json
 import os
 import random
 import time
@@ -521,8 +522,16 @@ def main(args: Args) -> dict:
     # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
     stage2 = {}
     for m, name in enumerate(critics):
+        # the proposals drawn from a seed of their own: a run with --generators-from (an ablation's critics) reads the
+        # very proposals the generators' own run gave its critics (the HF sampler draws from torch's generator)
+        torch.manual_seed(args.seed + 10_000 * (m + 1) + rank)
         records = mada_rl_agents.gather_shares(  # each rank's share of the split, then all of it on every rank
             critic_records(model, engine, tokenizer, splits[args.num_generators + m][rank::world], generators, args))
+        if rank == 0:  # what this critic trains on, kept with the run (stage2.jsonl)
+            with open(os.path.join(run_dir, "stage2.jsonl"), "a" if m else "w") as f:
+                for problem, proposals, acc_g in records:
+                    f.write(json.dumps({"critic": name, "question": problem.question, "answer": problem.answer,
+                                        "proposals": proposals, "acc_g": acc_g}) + "\n")
         acc, N = np.array([r[2] for r in records]), args.num_generators
         stage2[f"mada/critic_data/{name}/acc_g_mean"] = float(acc.mean())
         stage2.update({f"mada/critic_data/{name}/frac_acc_g_{k}of{N}": float((np.round(acc * N) == k).mean())

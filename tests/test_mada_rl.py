@@ -328,3 +328,7 @@ def test_generators_from_trains_only_critics_on_the_same_generators(tiny_model_d
         assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k), g  # trained, not the B = 0 start
     for k in ("mada/eval/single_accuracy", "mada/eval/majority_accuracy", "mada/eval/debate_accuracy"):
         assert again["generators"][k] == pytest.approx(first["generators"][k]), k  # the same generators, fresh critics
+    # and the same Stage-2 data: the plain critics read the very proposals the counterfactual ones read (issue 62;
+    # before, Stage 2 was sampled from wherever the run's random stream stood, after Stage 1 or not)
+    kept = [open(os.path.join(r["run_dir"], "stage2.jsonl")).read() for r in (first, again)]
+    assert kept[0] == kept[1] and len(kept[0].splitlines()) == sum(first["params"]["mada/split_sizes"][2:])
