@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from common.manifest import check_files
+
 
 EMBEDDED_NAMES = ("testbed-weak", "testbed-strong", "smollm2-135m-instruct", "testbed-code")
 """the models grounds/ builds locally (grounds.EMBEDDED_MODELS; named here for the error messages)"""
@@ -204,8 +206,6 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
 
     path = resolve_model(name)
     if os.path.isdir(path):
-        from common.checkpoint import check_files  # (imported here: common.checkpoint imports this module)
-
         check_files(path, f"could not load model {name!r}", model_only=True)  # a checkpoint: the sha256 of each file
         check_weight_files(path)
     try:
