@@ -161,7 +161,7 @@ from common.data import PromptSampler, encode_prompts, render_prompt
 from common.dist import all_reduce_grads, all_reduce_mean, all_reduce_sum, init_distributed, shard_models
 from common.evaluate import evaluate, evaluator
 from common.logger import RunLogger, sample_rows
-from common.models import frozen_copy, load_model, load_policy, load_tokenizer
+from common.models import autocast_forward, frozen_copy, load_model, load_policy, load_tokenizer
 from common.rollout import HFEngine, make_engine, position_ids
 from common.run import (RunControl, finish_run, load_train_eval, minibatch_order, resume_state, rollout_perf_metrics,
                         sample_step, start_run, step_bar, timed, update_metrics)
@@ -179,6 +179,20 @@ def check_same_vocab(tokenizers: dict) -> None:
         if len(tok) != len(ref) or tok.get_vocab() != ref.get_vocab():
             raise SystemExit(f"error: {names[0]} and {other} have different tokenizers "
                              f"({len(ref)} vs {len(tok)} tokens); they must share one vocabulary")
+
+
+def load_teacher(name: str, args: Args, device: str):
+    """A frozen teacher stored and computing as the reference is (common.models.frozen_copy): float32 weights (the
+    official recipe's model dtype for actor, reference and both teachers) whose forward runs under --dtype's autocast
+    (under --fsdp, FSDP2's --dtype copies of them). Stored in bfloat16, they also ran their norms and residual stream
+    in bfloat16: on SmolLM2 the pair's log-ratio was 0.086 from float32's on average, 0.069 now (its mean size 0.28;
+    the rest is bfloat16's matrix products: docs/direct_opd.md). With --no-master-weights the policy, and so the
+    reference, is stored in --dtype: the teachers too."""
+    low = args.dtype != "float32"
+    teacher = load_model(name, args.dtype if low and not args.master_weights else "float32", device)
+    if low and args.master_weights and not args.fsdp:
+        autocast_forward(teacher, getattr(torch, args.dtype))
+    return teacher.eval().requires_grad_(False)
 
 
 def default_teacher_post(teacher_pre: str) -> str:
@@ -404,8 +418,7 @@ def main(args: Args) -> dict:
     train_problems, eval_problems = load_train_eval(args)
     model = load_policy(model_path, args, device)  # float32 master weights; --dtype: compute precision
     ref_model = frozen_copy(model)
-    post_model = load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
-    pre_model = load_model(teacher_pre_path, args.dtype, device).eval().requires_grad_(False)
+    post_model, pre_model = load_teacher(teacher_post, args, device), load_teacher(teacher_pre_path, args, device)
     model, ref_model, post_model, pre_model = shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
     # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)

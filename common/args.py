@@ -52,8 +52,8 @@ class RunArgs(ExperimentArgs):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """compute precision. bfloat16 / float16: forward and backward in that dtype (autocast; under --fsdp, FSDP2's
     bfloat16 copies of the parameters with gradients reduced in float32) over float32 master weights, gradients and
-    AdamW state; frozen teachers are stored in it, the reference as the policy is, so that the two agree exactly at
-    step 0 (common.models.frozen_copy; docs/fsdp.md: bytes per parameter)"""
+    AdamW state; the reference is stored as the policy is, so that the two agree exactly at step 0, and direct_opd's
+    teachers so too (common.models.frozen_copy; docs/fsdp.md: bytes per parameter)"""
     master_weights: bool = True
     """with --dtype bfloat16 / float16, keep the trained weights in float32; --no-master-weights stores them in
     --dtype (half their memory, but AdamW updates below half a bfloat16 step round away: a warning is printed)"""
