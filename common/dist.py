@@ -178,7 +178,7 @@ def shard_models(args, *models):
     all on one mesh over every rank; gradients are summed over ranks (the losses are divided by global
     normalisers, as on the plain path). --dtype bfloat16 / float16 (with master weights): compute with copies of the
     parameters in that dtype and reduce gradients in float32; the sharded parameters and AdamW state stay float32
-    (frozen models stored in --dtype cost no copies; the reference keeps the policy's float32, to compute as it does).
+    (frozen models stored in float32, the reference and direct_opd's teachers, compute under the same policy).
     Without --fsdp the models come back unchanged. One process with --fsdp gets a one-rank group (same code path)."""
     if not getattr(args, "fsdp", False):
         return models
