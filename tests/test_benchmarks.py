@@ -1,6 +1,6 @@
-"""The claim benchmarks' bookkeeping, without a model (benchmarks/claim_runs.py): a run kept as a record is read back,
-a finished run folder is recorded, an interrupted one resumes from its checkpoint, anything else starts afresh; and
-the OC-GRPO benchmark's sample-matched group size and verdict rule."""
+"""The claim benchmarks' bookkeeping, without a model (benchmarks/claims/claim_runs.py): a run kept as a record is read
+back, a finished run folder is recorded, an interrupted one resumes from its checkpoint, anything else starts afresh;
+and the OC-GRPO benchmark's sample-matched group size and verdict rule."""
 
 import dataclasses
 import json
@@ -10,8 +10,8 @@ import types
 import pytest
 
 import oc_grpo
-from benchmarks import claim_runs
-from benchmarks import oc_grpo_smollm2 as bench
+from benchmarks.claims import claim_runs
+from benchmarks.claims import oc_grpo_smollm2 as bench
 
 
 def make_run(args, steps_logged: int, final_eval: bool, checkpoint: bool, **changed) -> str:
@@ -149,7 +149,7 @@ def test_verdict_needs_both_controls_beaten_beyond_the_noise_on_every_seed():
 
 
 def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seeds():
-    from benchmarks.adakp_smollm2 import verdict
+    from benchmarks.claims.adakp_smollm2 import verdict
 
     def after(a1, a2, s=(0.2, 0.2), z=(0.2, 0.2)):
         return {("adakp", 1): a1, ("adakp", 2): a2, ("static", 1): s[0], ("static", 2): s[1],
@@ -164,7 +164,7 @@ def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seed
 
 
 def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
-    from benchmarks.direct_opd_smollm2 import verdict
+    from benchmarks.claims.direct_opd_smollm2 import verdict
 
     def acc(direct, vanilla, control=(0.5, 0.5)):
         return {(arm, s): v for s in (1, 2) for arm, v in
@@ -178,7 +178,7 @@ def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
 
 
 def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics():
-    from benchmarks.mada_smollm2 import arm_lines as lines_of
+    from benchmarks.claims.mada_rl_smollm2 import arm_lines as lines_of
 
     def rec(debate, vote, untrained=0.3, generators=0.3):
         ev = lambda d, single=0.3: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
@@ -212,7 +212,7 @@ def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics()
 
 
 def test_mada_report_shows_each_generator_and_a_mute_one():
-    from benchmarks.mada_smollm2 import generator_lines
+    from benchmarks.claims.mada_rl_smollm2 import generator_lines
 
     def ev(debate, each):
         return {"mada/eval/debate_accuracy": debate, "mada/eval/single_accuracy": sum(each) / 3,
@@ -228,7 +228,7 @@ def test_mada_report_shows_each_generator_and_a_mute_one():
 
 
 def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
-    from benchmarks.ppo_slm_smollm2 import collapsed
+    from benchmarks.claims.ppo_slm_smollm2 import collapsed
 
     def rec(final, steps):
         return {"rows": [{"step": 0, "eval/greedy_accuracy": 0.6},
@@ -243,10 +243,10 @@ def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
 def test_ppo_collapse_verdict_waits_for_both_seeds_and_needs_the_off_arm_to_collapse_on_each():
     import copy
 
-    from benchmarks import ppo_slm_smollm2 as ppo_bench
+    from benchmarks.claims import ppo_slm_smollm2 as ppo_bench
 
-    records = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "runs",
-                           "ppo_slm_smollm2")
+    records = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "claims",
+                           "runs", "ppo_slm_smollm2")
     load = lambda name: json.load(open(os.path.join(records, f"{name}.json")))  # noqa: E731
     on = load("noisy_on_seed1")  # the envelope-on run of seed 1 (0.762 -> 0.775)
 

@@ -4,55 +4,52 @@ The claim (adakp.py, docs/adakp.md): choosing each training prompt's knowledge p
 the policy's entropy on a probe, and re-choosing them as training goes, trains a policy that answers better without
 hints than a subset chosen once (static) or no hints at all. It rests on two premises, both measured here first:
 hints matter and their choice matters (after 30 GRPO steps on levels 1-2, helpful KPs lift held-out level 4 from
-0.150 to 0.900 and distractors give 0.050, benchmarks/testbed_premises_smollm2.md; on the base model they do not),
-and the entropy proxy tells the two apart.
+0.150 to 0.900 and distractors give 0.050, benchmarks/premises/testbed_premises_smollm2.md; on the base model they do
+not), and the entropy proxy tells the two apart.
 
-The start: the post-GRPO model of benchmarks/grpo_smollm2.py's recipe, seed 1, 30 steps (`start_args`, trained
+The start: the post-GRPO model of benchmarks/claims/grpo_smollm2.py's recipe, seed 1, 30 steps (`start_args`, trained
 again if this checkout lacks it). On it, at level 4 of testbed-nl:
 1. the premise cells: held-out greedy accuracy with no hint, the helpful KPs and the distractors (40 problems, 64
-   new tokens, benchmarks/testbed_premises.py's prompts);
+   new tokens, benchmarks/premises/testbed_premises.py's prompts);
 2. the proxy: score(k | {}) of each of the 4 KPs of --proxy-problems training problems (top-50 entropy on the
    problem's worked solution as probe, adakp.py's default) against the pass-rate gain of {k} over no hint, measured
-   by --proxy-samples rollouts (benchmarks/adakp_benchmark.proxy_check); Spearman correlation with the gains and
+   by --proxy-samples rollouts (benchmarks/testbed/adakp_benchmark.proxy_check); Spearman correlation with the gains and
    with the helpful label, and the proxy's cost against the rollouts it replaces;
 3. training: adakp.py with --kp-mode adakp (proxy-greedy, re-chosen online), static (proxy-greedy once) and none
    (plain GRPO on the same prompts), the same recipe, steps, prompts and seeds; measured on the final weights with
    the cells of 1 (no-hint accuracy is what the hints are for; with-hint accuracy says what the policy learnt to use).
 
-    python benchmarks/adakp_smollm2.py                # 6 runs of 6-20 minutes, the proxy check 20 (one thread)
-    python benchmarks/adakp_smollm2.py --seeds 1 --steps 2 --num-eval-problems 4 --proxy-problems 2 \\
+    python -m benchmarks.claims.adakp_smollm2         # 6 runs of 6-20 minutes, the proxy check 20 (one thread)
+    python -m benchmarks.claims.adakp_smollm2 --seeds 1 --steps 2 --num-eval-problems 4 --proxy-problems 2 \\
         --proxy-samples 2 --out /tmp/a.md --output-dir /tmp/a_runs --records /tmp/a_records   # a smoke run
 
-Every finished run and measurement is kept as a record in benchmarks/runs/adakp_smollm2/ (benchmarks/claim_runs.py),
-so the command is rerun until its report says it is complete; an interrupted run continues from its checkpoint.
-The verdict rule: shown if adakp beats both static and none on no-hint level-4 accuracy beyond the noise on both
-seeds; partly if it beats them on both seeds inside the noise or on one seed beyond it; else not shown. Before the
-arms, the gate (benchmarks/claim_runs.py, `claim`): no knowledge point of a judged problem may state its answer, the
-start's no-hint accuracy must leave room, and 40 problems must be able to show a plausible gain; where it fails, the
-verdict is "untestable here".
+Every finished run and measurement is kept as a record in benchmarks/claims/runs/adakp_smollm2/
+(benchmarks/claims/claim_runs.py), so the command is rerun until its report says it is complete; an interrupted run
+continues from its checkpoint. The verdict rule: shown if adakp beats both static and none on no-hint level-4 accuracy
+beyond the noise on both seeds; partly if it beats them on both seeds inside the noise or on one seed beyond it; else
+not shown. Before the arms, the gate (benchmarks/claims/claim_runs.py, `claim`): no knowledge point of a judged problem
+may state its answer, the start's no-hint accuracy must leave room, and 40 problems must be able to show a plausible
+gain; where it fails, the verdict is "untestable here".
 """
 
 import argparse
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import tyro
 
-import torch  # noqa: E402
-import tyro  # noqa: E402
-
-import adakp  # noqa: E402
-import grpo  # noqa: E402
-from benchmarks.adakp_benchmark import proxy_check, proxy_lines  # noqa: E402
-from benchmarks.claim_runs import (GROUND, Claim, cached, finished_run, gate, gate_section, margin,  # noqa: E402
-                                   recorded_leakage, records_ground, untestable, verdict_lines)
-from benchmarks.grpo_smollm2 import START, start_args  # noqa: E402
-from benchmarks.testbed_premises import hinted_prompt, nl_accuracy  # noqa: E402
-from common.data import load_problems, render_prompt  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from grounds import path_of  # noqa: E402
+import adakp
+import grpo
+from benchmarks import ROOT
+from benchmarks.claims.claim_runs import (GROUND, Claim, cached, finished_run, gate, gate_section, margin,
+                                          recorded_leakage, records_ground, untestable, verdict_lines)
+from benchmarks.claims.grpo_smollm2 import START, start_args
+from benchmarks.premises.testbed_premises import hinted_prompt, nl_accuracy
+from benchmarks.testbed.adakp_benchmark import proxy_check, proxy_lines
+from common.data import load_problems, render_prompt
+from common.models import load_model, load_tokenizer
+from grounds import path_of
 
 MODEL, LEVEL = "smollm2-135m-instruct", 4
 ARMS = ("adakp", "static", "none")
@@ -127,14 +124,14 @@ def report(cli, start: dict, proxy: dict, runs: dict, section: list, failed: lis
     lv = {k: f"{evals[0][f'eval/greedy_accuracy/level_{k}']:.3f} -> {evals[-1][f'eval/greedy_accuracy/level_{k}']:.3f}"
           for k in (1, 2)}
     lines = ["# AdaKP on SmolLM2-135M-Instruct (issue 40)", "",
-             f"`python benchmarks/adakp_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
+             f"`python -m benchmarks.claims.adakp_smollm2 --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
              f"--num-eval-problems {n} --proxy-problems {cli.proxy_problems} --proxy-samples {cli.proxy_samples}`, "
              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). "
              f"Greedy accuracy on {n} held-out level-{LEVEL} problems of testbed-nl, up to 64 new tokens (a cut "
              f"answer scores 0); noise of a difference of two such cells: up to +-{margin(0.5, 0.5, n):.2f} (95 %, "
              "at 0.5).", "", *section,
-             f"The start (all arms): benchmarks/grpo_smollm2.py's recipe, seed 1, {cli.steps} steps on levels 1-2 (held-out "
-             f"greedy level 1 {lv[1]}, level 2 {lv[2]}; {start['seconds'] / 60:.0f} minutes).", "",
+             f"The start (all arms): benchmarks/claims/grpo_smollm2.py's recipe, seed 1, {cli.steps} steps on levels "
+             f"1-2 (held-out greedy level 1 {lv[1]}, level 2 {lv[2]}; {start['seconds'] / 60:.0f} minutes).", "",
              "## The premise on the start", "",
              "| level 4 | no hint | helpful KPs | distractors |", "|---|---|---|---|",
              f"| start | {sc['none']:.3f} | {sc['helpful']:.3f} | {sc['distractors']:.3f} |", "",
@@ -178,10 +175,10 @@ def main():
     p.add_argument("--num-eval-problems", type=int, default=40, help="held-out level-4 problems a cell")
     p.add_argument("--proxy-problems", type=int, default=40, help="training problems of the proxy check")
     p.add_argument("--proxy-samples", type=int, default=8, help="rollouts a (problem, KP) context in the proxy check")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "adakp_smollm2.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "adakp_smollm2.md"))
     p.add_argument("--output-dir", default=os.path.join("runs", "adakp_smollm2"), help="run folders")
     p.add_argument("--start-dir", default=START, help="the start's run folder (shared with the other claims)")
-    p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "runs", "adakp_smollm2"))
+    p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "claims", "runs", "adakp_smollm2"))
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     os.chdir(ROOT)  # the start's path is relative, so records made in one clone are read back in another

@@ -1,7 +1,7 @@
 """What the claim benchmarks share (benchmarks/*_smollm2.py): a training run that outlives its session.
 
 A claim's arms take hours of this CPU, more than a session has, and a new session's checkout has no run folders. So
-every finished run is kept as a record in the repository, benchmarks/runs/<benchmark>/<run name>.json (its
+every finished run is kept as a record in the repository, benchmarks/claims/runs/<benchmark>/<run name>.json (its
 args.json, its metric rows, its own seconds, and what the benchmark measured on its final weights), and
 `finished_run` returns, in this order: the record of a run with the same arguments; a finished run folder (recorded
 now); an interrupted run continued from its last checkpoint by the trainer's own --resume (the same numbers as a run
@@ -332,7 +332,7 @@ def gate_section(gates: list[tuple[list[str], list[str]]], names: list[str] = ()
     """The report's top section: each gate's lines, then what each lets its verdict be (`names`: of each claim)."""
     said = [untestable(failed) if failed else "passes" for _, failed in gates]
     said = "; ".join(f"{name}: {x}" for name, x in zip(names, said)) if names else said[0]
-    return ["## The gate (benchmarks/claim_runs.py, before any arm trains)", "",
+    return ["## The gate (benchmarks/claims/claim_runs.py, before any arm trains)", "",
             *[line for lines, _ in gates for line in lines], "", f"Gate: {said}.", ""]
 
 

@@ -5,8 +5,8 @@ samples with no verifier, improves the student, where vanilla on-policy distilla
 drags it down toward the teacher (the paper: Qwen3-1.7B 48.3 -> 58.3 on AIME 2024 from a weaker teacher's RL).
 
 The ground, on SmolLM2-135M-Instruct and testbed-nl:
-- the teacher pair: the base model (pre) and its 30-step GRPO run on levels 1-2 (post; benchmarks/grpo_smollm2.py's
-  recipe, seed 1, `start_args`, the run the other SmolLM2 claims start from);
+- the teacher pair: the base model (pre) and its 30-step GRPO run on levels 1-2 (post;
+  benchmarks/claims/grpo_smollm2.py's recipe, seed 1, `start_args`, the run the other SmolLM2 claims start from);
 - the stronger student: the base model fine-tuned on the worked solutions of levels 1-3 (`sft_student`: another
   route than the teacher's RL, the same tokenizer; no larger SmolLM2 installs offline), which must beat the post
   teacher on held-out greedy accuracy over the training levels: measured first, and the claim's arms are run only
@@ -18,21 +18,21 @@ accuracy per level before and after, and the k3 KL to the student's start on its
 loss/kl; grpo.py's policy/approx_kl is to the previous step and it keeps no reference at beta 0, so n/a for GRPO),
 and the length of the sampled replies at the start and the end of each run (where the accuracy went).
 
-    python benchmarks/direct_opd_smollm2.py            # the student (30 minutes), 4 arms x 2 seeds (about 5 hours)
-    python benchmarks/direct_opd_smollm2.py --seeds 1 --steps 2 --sft-steps 2 --num-eval-problems 4 \\
+    python -m benchmarks.claims.direct_opd_smollm2     # the student (30 minutes), 4 arms x 2 seeds (about 5 hours)
+    python -m benchmarks.claims.direct_opd_smollm2 --seeds 1 --steps 2 --sft-steps 2 --num-eval-problems 4 \\
         --out /tmp/d.md --output-dir /tmp/d_runs --records /tmp/d_records --start-dir /tmp/d_start   # a smoke run
 
 Budget: a direct-OPD step took 60-100 s on one thread beside another benchmark (the student, its reference and the
 two teachers all run forwards), so a 30-step run about 40 minutes and the 8 runs about 5 hours, beyond the 90
 minutes of ../shared/CLAIMS.md; kept so because 30 steps is the recipe of the other SmolLM2 claims. Every finished
-run and measurement is a record in benchmarks/runs/direct_opd_smollm2/ (benchmarks/claim_runs.py), and an
-interrupted run continues from its checkpoint: rerun the command until its report says it is complete. The verdict rule: shown if direct OPD lifts the student's
-held-out accuracy (all levels) beyond the noise and ends above vanilla OPD beyond the noise, on both seeds, with
-the control inside the noise; partly if direct ends above both its start and vanilla OPD on both seeds inside the
-noise, or beyond it on one seed; else not shown.
+run and measurement is a record in benchmarks/claims/runs/direct_opd_smollm2/ (benchmarks/claims/claim_runs.py), and an
+interrupted run continues from its checkpoint: rerun the command until its report says it is complete. The verdict rule:
+shown if direct OPD lifts the student's held-out accuracy (all levels) beyond the noise and ends above vanilla OPD
+beyond the noise, on both seeds, with the control inside the noise; partly if direct ends above both its start and
+vanilla OPD on both seeds inside the noise, or beyond it on one seed; else not shown.
 
-The gate (benchmarks/claim_runs.py, `claim`), once the pair and the student are measured and before any arm trains:
-the pair's log-ratio carries a shift only on the levels where the post teacher beats the pre teacher beyond the
+The gate (benchmarks/claims/claim_runs.py, `claim`), once the pair and the student are measured and before any arm
+trains: the pair's log-ratio carries a shift only on the levels where the post teacher beats the pre teacher beyond the
 noise, so those are the judged split; the student must leave room there, and its problems must be able to show the
 paper's gain. Where it fails, the verdict is "untestable here".
 """
@@ -41,25 +41,22 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import tyro
 
-import torch  # noqa: E402
-import tyro  # noqa: E402
-
-import direct_opd  # noqa: E402
-import grpo  # noqa: E402
-from benchmarks.claim_runs import (Claim, cached, finished_run, gate, gate_section, margin, untestable,  # noqa: E402
-                                   verdict_lines)
-from benchmarks.grpo_smollm2 import START, start_args  # noqa: E402
-from benchmarks.testbed_premises import nl_accuracy  # noqa: E402
-from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import attach, completion_logprobs  # noqa: E402
-from grounds import path_of  # noqa: E402
+import direct_opd
+import grpo
+from benchmarks import ROOT
+from benchmarks.claims.claim_runs import (Claim, cached, finished_run, gate, gate_section, margin, untestable,
+                                          verdict_lines)
+from benchmarks.claims.grpo_smollm2 import START, start_args
+from benchmarks.premises.testbed_premises import nl_accuracy
+from common.data import encode_prompts, load_problems, render_prompt
+from common.models import load_model, load_tokenizer
+from common.rollout import attach, completion_logprobs
+from grounds import path_of
 
 MODEL = "smollm2-135m-instruct"
 LEVELS = (1, 2, 3)
@@ -170,15 +167,17 @@ def report(cli, cells: dict, runs: dict, teacher: dict, section: list, failed: l
     n = cli.num_eval_problems * len(LEVELS)
     ev = lambda rec: [r for r in rec["rows"] if "eval/greedy_accuracy" in r]  # noqa: E731
     lines = ["# Direct-OPD on SmolLM2-135M-Instruct (issue 41)", "",
-             f"`python benchmarks/direct_opd_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
-             f"--sft-steps {cli.sft_steps} --num-eval-problems {cli.num_eval_problems}`, {time.strftime('%Y-%m-%d')}, "
+             f"`python -m benchmarks.claims.direct_opd_smollm2 --seeds {' '.join(map(str, cli.seeds))} "
+             f"--steps {cli.steps} --sft-steps {cli.sft_steps} --num-eval-problems {cli.num_eval_problems}`, "
+             f"{time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). Held-out greedy accuracy on "
              f"{cli.num_eval_problems} testbed-nl problems a level, levels {', '.join(map(str, LEVELS))} ('all': their "
              f"mean, {n} problems; a difference of two such is noise up to +-{margin(0.5, 0.5, n):.2f} at 0.5).", "",
              *section, "## The ground", "",
-             f"The pair: pre = {MODEL}, post = its GRPO run (benchmarks/grpo_smollm2.py's recipe, seed 1, 30 steps on "
-             f"levels 1-2; {teacher['seconds'] / 60:.0f} minutes). The student: {MODEL} after {cli.sft_steps} steps "
-             "of 16 worked solutions of levels 1-3 (supervised, `sft_student`). Cells: 64 new tokens.", "",
+             f"The pair: pre = {MODEL}, post = its GRPO run (benchmarks/claims/grpo_smollm2.py's recipe, seed 1, 30 "
+             f"steps on levels 1-2; {teacher['seconds'] / 60:.0f} minutes). The student: {MODEL} after "
+             f"{cli.sft_steps} steps of 16 worked solutions of levels 1-3 (supervised, `sft_student`). Cells: 64 new "
+             "tokens.", "",
              "| model | " + " | ".join(f"L{lv}" for lv in LEVELS) + " | all |", "|---|" + "---|" * (len(LEVELS) + 1)]
     for name, c in cells.items():
         lines.append(f"| {name} | " + " | ".join(f"{c[f'L{lv}']:.3f}" for lv in LEVELS) + f" | {c['all']:.3f} |")
@@ -234,10 +233,10 @@ def main():
     p.add_argument("--sft-steps", type=int, default=60, help="supervised steps (16 solutions each) of the student")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--num-eval-problems", type=int, default=40, help="held-out problems a level")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "direct_opd_smollm2.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "direct_opd_smollm2.md"))
     p.add_argument("--output-dir", default=os.path.join("runs", "direct_opd_smollm2"), help="run folders")
     p.add_argument("--start-dir", default=START, help="the post teacher's run folder (shared with the other claims)")
-    p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "runs", "direct_opd_smollm2"))
+    p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "claims", "runs", "direct_opd_smollm2"))
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     os.chdir(ROOT)  # relative model paths in the runs' arguments: records made in one clone are read in another

@@ -3,34 +3,31 @@
 Held-out greedy accuracy before and after, per level, for each seed, and what the gain is made of: the share of
 greedy answers in the expected format (a reply that ends "The answer is N.", eval/format_rate) and cut at
 --max-new-tokens (eval/truncated_frac), and the accuracy among the answers in format. Writes
-benchmarks/grpo_smollm2.md and docs/img/grpo_smollm2.png (held-out accuracy and format rate against step).
+benchmarks/claims/grpo_smollm2.md and docs/img/grpo_smollm2.png (held-out accuracy and format rate against step).
 
-    python benchmarks/grpo_smollm2.py                      # seeds 1 and 2, about 45 minutes on 2 cores
-    python benchmarks/grpo_smollm2.py --seeds 1 --steps 2 --eval-every 1 --num-eval-problems 4   # a smoke run
+    python -m benchmarks.claims.grpo_smollm2               # seeds 1 and 2, about 45 minutes on 2 cores
+    python -m benchmarks.claims.grpo_smollm2 --seeds 1 --steps 2 --eval-every 1 --num-eval-problems 4  # a smoke run
 
 The run is grpo.py's own main with the flags printed in the report (the command reproduces one seed); the recipe
 is sized to the CPU: 4 prompts x 8 samples, 48 new tokens, --share-prompt, full fine-tuning in float32.
 
-Before the runs, the gate (benchmarks/claim_runs.py, `claim`): the base model's greedy accuracy on each seed's
-held-out problems (the trainer's own evaluation at step 0, measured first and kept in benchmarks/runs/grpo_smollm2/),
-and whether the planned problems can show the gain the claim needs. `--gate-only` measures it and writes its section
-into the existing report, running nothing else.
+Before the runs, the gate (benchmarks/claims/claim_runs.py, `claim`): the base model's greedy accuracy on each seed's
+held-out problems (the trainer's own evaluation at step 0, measured first and kept in
+benchmarks/claims/runs/grpo_smollm2/), and whether the planned problems can show the gain the claim needs. `--gate-only`
+measures it and writes its section into the existing report, running nothing else.
 """
 
 import argparse
 import json
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import tyro
 
-import tyro  # noqa: E402
-
-import grpo  # noqa: E402
-from benchmarks.claim_runs import Claim, cached, gate, gate_section, with_gate  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
+import grpo
+from benchmarks import ROOT
+from benchmarks.claims.claim_runs import Claim, cached, gate, gate_section, with_gate
+from common.logger import read_metrics
 
 RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "--levels", "1", "2",
           "--num-prompts", "4", "--group-size", "8", "--max-new-tokens", "48", "--micro-batch-size", "16",
@@ -44,7 +41,7 @@ START = os.path.join("runs", "smollm2_start")
 def start_args(steps: int = 30, output_dir: str = START) -> "grpo.Args":
     """The run whose final weights the SmolLM2 claims start from (MADA-RL's critics, AdaKP, Direct-OPD's post
     teacher): RECIPE, seed 1, `steps` steps, greedy evaluation on 40 problems a level before and after, a checkpoint
-    every 10 steps. With benchmarks.claim_runs.finished_run(grpo, start_args(), records, weights=True) a checkout
+    every 10 steps. With benchmarks.claims.claim_runs.finished_run(grpo, start_args(), records, weights=True) a checkout
     without the folder trains it again (about 16 minutes on one thread); its weights are
     <output_dir>/grpo_seed1/checkpoint."""
     return tyro.cli(grpo.Args, args=[*RECIPE, "--total-steps", str(steps), "--seed", "1", "--eval-every", "0",
@@ -53,7 +50,7 @@ def start_args(steps: int = 30, output_dir: str = START) -> "grpo.Args":
 
 
 MODEL, LEVELS = "smollm2-135m-instruct", (1, 2)
-RECORDS = os.path.join(ROOT, "benchmarks", "runs", "grpo_smollm2")
+RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "grpo_smollm2")
 
 
 def start_accuracy(path: str, levels, n: int, seed: int, max_new_tokens: int = 48) -> dict:
@@ -124,7 +121,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--num-eval-problems", type=int, default=40, help="held-out problems per level")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "grpo_smollm2.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "grpo_smollm2.md"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "grpo_smollm2.png"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "grpo_smollm2"))
     p.add_argument("--gate-only", action="store_true", help="measure the gate and write it into the existing report")
@@ -146,7 +143,7 @@ def main():
                                                   "--run-name", f"seed{seed}"]))
         runs[seed], results[seed] = out["run_dir"], {**out, "wall_s": time.time() - t0}
     lines = ["# grpo.py on SmolLM2-135M-Instruct (testbed-nl levels 1-2)", "",
-             f"`python benchmarks/grpo_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
+             f"`python -m benchmarks.claims.grpo_smollm2 --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
              f"--eval-every {cli.eval_every} --num-eval-problems {cli.num_eval_problems}`, {time.strftime('%Y-%m-%d')},"
              f" {os.cpu_count()}-core CPU, float32, {(time.time() - t_start) / 60:.0f} minutes. Each seed is "
              f"`python grpo.py {' '.join(flags)} --seed S`. Greedy held-out answers, "

@@ -7,14 +7,14 @@ among wrong ones must lift its accuracy over answering alone. On the testbed tha
 read proposals); this measures it on the real model, as mada_rl.py's critics read proposals by default (the
 generators' worked responses, `--critic-sees responses`) and as bare answers (`--critic-sees answers`), on the base
 model and after a short GRPO run (grpo_smollm2.py's recipe, seed 1: 30 steps on levels 1-2), on held-out level 2
-(zero-shot 0.225 greedy, benchmarks/testbed_premises_smollm2.md: room above and below). The cells are
-benchmarks/testbed_premises.py's (`proposal_cells`): a right response is the problem's worked solution, a wrong one
-the same with a near miss in place of the answer, so its last step and its final answer are wrong.
+(zero-shot 0.225 greedy, benchmarks/premises/testbed_premises_smollm2.md: room above and below). The cells are
+benchmarks/premises/testbed_premises.py's (`proposal_cells`): a right response is the problem's worked solution, a wrong
+one the same with a near miss in place of the answer, so its last step and its final answer are wrong.
 
 The rule (../shared/CLAIMS.md, issue 42): the premise holds on a model when 1 of 3 right responses lifts greedy
 accuracy by >= 0.10 over no proposals. If it fails on the base model and after GRPO, the verdict is "premise fails"
 with both figures, and the training arms (debate against vote, counterfactual against plain critics) are not
-evidence either way. Writes benchmarks/mada_smollm2.md.
+evidence either way. Writes benchmarks/claims/mada_rl_smollm2.md.
 
 The arms, where the premise holds on the base model (mada_rl.py's critics start from it: fresh LoRA adapters on the
 frozen base): `mada_rl.py` on level 2 (3 generators, 3 critics, LoRA r = 8 on every projection, lr 1e-3, 4 prompts
@@ -27,43 +27,41 @@ The rules, written before the runs: (debate) the counterfactual arm's debate abo
 seeds: shown; above on both inside the noise, or beyond on one: partly; else not shown. (critic advantage) the
 counterfactual arm's debate above the plain arm's, the same rule.
 
-    python benchmarks/mada_smollm2.py                 # the premise (records), then 2 arms x 2 seeds
-    python benchmarks/mada_smollm2.py --steps 2 --num-eval-problems 4 --agent-steps 1 --seeds 1 --out /tmp/m.md \\
-        --output-dir /tmp/m_runs --records /tmp/m_records   # a smoke run
+    python -m benchmarks.claims.mada_rl_smollm2       # the premise (records), then 2 arms x 2 seeds
+    python -m benchmarks.claims.mada_rl_smollm2 --steps 2 --num-eval-problems 4 --agent-steps 1 --seeds 1 \\
+        --out /tmp/m.md --output-dir /tmp/m_runs --records /tmp/m_records   # a smoke run
 
-Every run and each model's cells are kept as records in benchmarks/runs/mada_smollm2/ (benchmarks/claim_runs.py),
-so a rerun reads them back; mada_rl.py writes no checkpoints, so an interrupted arm starts again.
+Every run and each model's cells are kept as records in benchmarks/claims/runs/mada_rl_smollm2/
+(benchmarks/claims/claim_runs.py), so a rerun reads them back; mada_rl.py writes no checkpoints, so an interrupted arm
+starts again.
 
-The gate (benchmarks/claim_runs.py, `claims`), once the base model's cells are measured and before any arm trains:
-the critics read the generators' own samples, nothing built from the reference; the base model (every agent's start,
-so also the generators' vote) must leave room on level 2; and 40 problems must be able to show the paper's effects.
-A failed gate makes a verdict "untestable here".
+The gate (benchmarks/claims/claim_runs.py, `claims`), once the base model's cells are measured and before any arm
+trains: the critics read the generators' own samples, nothing built from the reference; the base model (every agent's
+start, so also the generators' vote) must leave room on level 2; and 40 problems must be able to show the paper's
+effects. A failed gate makes a verdict "untestable here".
 """
 
 import argparse
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-import grpo  # noqa: E402
-import mada_rl  # noqa: E402
-import tyro  # noqa: E402
-from benchmarks.claim_runs import (Claim, cached, finished_run, gate, gate_section, margin, untestable,  # noqa: E402
-                                   verdict_lines)
-from benchmarks.grpo_smollm2 import RECIPE, START, start_args  # noqa: E402
-from benchmarks.testbed_premises import nl_accuracy, proposal_cells, proposal_premises  # noqa: E402
-from common.data import load_problems, render_prompt  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from grounds import path_of  # noqa: E402
+import grpo
+import mada_rl
+from benchmarks import ROOT
+import tyro
+from benchmarks.claims.claim_runs import (Claim, cached, finished_run, gate, gate_section, margin, untestable,
+                                          verdict_lines)
+from benchmarks.claims.grpo_smollm2 import RECIPE, START, start_args
+from benchmarks.premises.testbed_premises import nl_accuracy, proposal_cells, proposal_premises
+from common.data import load_problems, render_prompt
+from common.models import load_model, load_tokenizer
+from grounds import path_of
 
 MODEL, LEVEL = "smollm2-135m-instruct", 2
 BASE = "SmolLM2-135M-Instruct"
-RECORDS = os.path.join(ROOT, "benchmarks", "runs", "mada_smollm2")
+RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "mada_rl_smollm2")
 ARM_FLAGS = ["--model-name", MODEL, "--dataset", "testbed-nl", "--levels", str(LEVEL), "--num-generators", "3",
              "--num-critics", "3", "--num-prompts", "4", "--group-size", "8", "--max-new-tokens", "64",
              "--micro-batch-size", "16", "--share-prompt", "--num-train-problems", "360", "--eval-every", "0",
@@ -249,7 +247,7 @@ def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
     verdict = ("premise holds on " + " and ".join(name for name, ok in holds.items() if ok) if any(holds.values())
                else "premise fails")
     lines = ["# MADA-RL on SmolLM2-135M-Instruct (issue 42): the critic premise", "",
-             f"`python benchmarks/mada_smollm2.py --steps {cli.steps} --num-eval-problems {n}`, "
+             f"`python -m benchmarks.claims.mada_rl_smollm2 --steps {cli.steps} --num-eval-problems {n}`, "
              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). "
              f"Greedy accuracy on {n} "
              f"held-out level-{LEVEL} problems of testbed-nl (up to 64 new tokens; a cut answer scores 0), alone and "
@@ -289,7 +287,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30, help="GRPO steps of the 'after' model")
     p.add_argument("--num-eval-problems", type=int, default=40, help="held-out level-2 problems a cell")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mada_smollm2.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "mada_rl_smollm2.md"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, START), help="the GRPO run's folder")
     p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds of the arms")

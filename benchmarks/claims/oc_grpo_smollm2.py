@@ -2,7 +2,7 @@
 
 The claim: when every unguided rollout of a prompt fails, GRPO gets no signal; OC-GRPO rolls the group out again
 from a prompt that carries the reference solution, trains those rollouts as answers to the unguided prompt with an
-importance weight, and beats GRPO. The premise (benchmarks/testbed_premises_smollm2.md): level 3 of testbed-nl
+importance weight, and beats GRPO. The premise (benchmarks/premises/testbed_premises_smollm2.md): level 3 of testbed-nl
 goes from 0.000 unguided to 0.825 with the whole worked solution in the prompt, 0.025 with half of it.
 
 Four arms, the same recipe, steps, prompts per step, seeds and held-out problems (testbed-nl levels 1 to 3):
@@ -12,23 +12,23 @@ OC arms' cascade is cut to the whole solution (--prefix-fractions 1.0), the one 
 this model. Measured: held-out greedy accuracy per level before and after (the trainers' own evaluation), and, from
 each run's final weights on the held-out level-3 problems, sampled accuracy and pass@k, the KL to the initial
 policy and the entropy (`probe`); per step, the all-fail groups the cascade rescued and the policy's entropy.
-Writes benchmarks/oc_grpo_smollm2.md with the verdict rule of the issue and docs/img/oc_grpo_smollm2.png.
+Writes benchmarks/claims/oc_grpo_smollm2.md with the verdict rule of the issue and docs/img/oc_grpo_smollm2.png.
 
-    python benchmarks/oc_grpo_smollm2.py              # 4 arms x seeds 1 and 2, 4-5 hours of a 2-core CPU
-    python benchmarks/oc_grpo_smollm2.py --seeds 1 --steps 2 --num-eval-problems 2 --probe-samples 2 \\
+    python -m benchmarks.claims.oc_grpo_smollm2       # 4 arms x seeds 1 and 2, 4-5 hours of a 2-core CPU
+    python -m benchmarks.claims.oc_grpo_smollm2 --seeds 1 --steps 2 --num-eval-problems 2 --probe-samples 2 \\
         --out /tmp/oc.md --plot /tmp/oc.png --output-dir /tmp/oc_runs --records /tmp/oc_records   # a smoke run
 
 Budget: in the smoke run a step took 61-65 s on one thread (GRPO and OC-GRPO, step 1), so a run of 30 steps is
 30-40 minutes with its evaluations and probe, a seed of four runs 2-2.5 hours, and the two seeds 4-5 hours: far
 beyond the 90 minutes of ../shared/CLAIMS.md, kept so because 30 steps is the recipe of the other SmolLM2 claims
-(grpo_smollm2, sec_smollm2). So the benchmark outlives a session: seeds run one after the other (a finished seed is
+(grpo_smollm2, rloo_sec_smollm2). So the benchmark outlives a session: seeds run one after the other (a finished seed is
 a complete comparison), the report is rewritten after every run, every finished run is kept as a record in
-benchmarks/runs/oc_grpo_smollm2/ (benchmarks/claim_runs.py: read back, not rerun), and an unfinished one continues
-from its last checkpoint (every --save-every steps; run folders are not committed, so within one checkout) through
-the trainer's own --resume. Rerun the same command until the report says it is complete; --report-only writes the
-report from the records and runs nothing.
+benchmarks/claims/runs/oc_grpo_smollm2/ (benchmarks/claims/claim_runs.py: read back, not rerun), and an unfinished one
+continues from its last checkpoint (every --save-every steps; run folders are not committed, so within one checkout)
+through the trainer's own --resume. Rerun the same command until the report says it is complete; --report-only writes
+the report from the records and runs nothing.
 
-The gate (benchmarks/claim_runs.py, `claim`), before any arm trains: the guidance the OC arms add to each judged
+The gate (benchmarks/claims/claim_runs.py, `claim`), before any arm trains: the guidance the OC arms add to each judged
 problem (the held-out level-3 problems of every seed, at every fraction of the cascade) must not state the answer;
 the claim is about discovering the solutions of all-fail groups, so its headroom is the base model's sampled pass@k
 on them (the probe, measured first); and 40 problems a seed must be able to show the paper's gain over GRPO.
@@ -36,26 +36,23 @@ on them (the probe, measured first); and 40 problems a seed must be able to show
 
 import argparse
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
+import torch
+import tyro
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import tyro  # noqa: E402
-
-import grpo  # noqa: E402
-import oc_grpo  # noqa: E402
-from benchmarks.claim_runs import (GROUND, Claim, added_text, cached, finished_run, gate, gate_section,  # noqa: E402
-                                   margin, recorded_leakage, records_ground, untestable)
-from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
-from common.evaluate import pass_at_k  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import HFEngine, batched_logprobs, completion_logprobs  # noqa: E402
-from common.verifiers import score  # noqa: E402
-from grounds import path_of  # noqa: E402
+import grpo
+import oc_grpo
+from benchmarks import ROOT
+from benchmarks.claims.claim_runs import (GROUND, Claim, added_text, cached, finished_run, gate, gate_section, margin,
+                                          recorded_leakage, records_ground, untestable)
+from common.data import encode_prompts, load_problems, render_prompt
+from common.evaluate import pass_at_k
+from common.models import load_model, load_tokenizer
+from common.rollout import HFEngine, batched_logprobs, completion_logprobs
+from common.verifiers import score
+from grounds import path_of
 
 MODEL = "smollm2-135m-instruct"
 LEVELS = (1, 2, 3)
@@ -71,7 +68,7 @@ ARMS = {"GRPO": ("grpo", grpo, []),
         "OC-GRPO, no correction": ("oc_grpo_nocorr", oc_grpo, [*CASCADE, "--correction", "none"]),
         "GRPO, sample-matched": ("grpo_matched", grpo, None)}
 VERDICT_ARMS = ("OC-GRPO", "GRPO", "GRPO, sample-matched")  # the method and the two controls of the issue's rule
-RECORDS = os.path.join(ROOT, "benchmarks", "runs", "oc_grpo_smollm2")  # finished runs, committed (claim_runs.py)
+RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "oc_grpo_smollm2")  # finished runs, committed
 
 
 def matched_group_size(rows: list, group_size: int, num_prompts: int) -> int:
@@ -210,7 +207,7 @@ def report(res: dict, cli, flags: list, base_probes: dict, section: list, failed
     run_min = sum(r["wall_s"] for r in res.values()) / 60
     probe_min = sum(r["probe"]["seconds"] for r in res.values()) / 60
     out = ["# OC-GRPO on SmolLM2-135M-Instruct (issue 38): guided rollouts past the learning cliff", "",
-           f"`python benchmarks/oc_grpo_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
+           f"`python -m benchmarks.claims.oc_grpo_smollm2 --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
            f"--num-eval-problems {n} --probe-samples {k} --save-every {cli.save_every}`, {time.strftime('%Y-%m-%d')}, "
            f"{os.cpu_count()}-core CPU (shared), float32, {run_min:.0f} minutes of runs{'' if all(done.values()) else ' so far'} (each run's own steps "
            f"and evaluations; the probes {probe_min:.0f} minutes more). Each run is", "",
@@ -221,9 +218,9 @@ def report(res: dict, cli, flags: list, base_probes: dict, section: list, failed
            "cascade ran on its all-fail group), rounded, and M = a multiple of G' (--share-prompt keeps a group in one "
            "micro-batch; gradients do not depend on M).", "", *section,
            "## Design", "",
-           "- Premise (benchmarks/testbed_premises_smollm2.md, greedy, 40 problems a cell): level 3 is 0.000 unguided, "
-           "0.825 with the whole worked solution in the prompt, 0.025 with half of it. The premise weakens with "
-           "training: after 30 GRPO steps on levels 1-2 the whole solution lifts level 3 to 0.250 only.",
+           "- Premise (benchmarks/premises/testbed_premises_smollm2.md, greedy, 40 problems a cell): level 3 is 0.000 "
+           "unguided, 0.825 with the whole worked solution in the prompt, 0.025 with half of it. The premise weakens "
+           "with training: after 30 GRPO steps on levels 1-2 the whole solution lifts level 3 to 0.250 only.",
            f"- Training mix: testbed-nl levels {', '.join(map(str, LEVELS))}, drawn uniformly (a third of the prompts "
            "each). Level 3 is the cliff (0.000 greedy unguided: its groups fail whole); levels 1 and 2 are not "
            "(0.550 and 0.225 greedy zero-shot, testbed_premises_smollm2.md), so GRPO has a signal from the first step, and the "
@@ -235,7 +232,7 @@ def report(res: dict, cli, flags: list, base_probes: dict, section: list, failed
            "almost nothing (0.025 greedy), so the paper's lower fractions would only cost G rollouts each. A rescue "
            "is then close to copying the answer: the importance weight pi(y|x) / pi(y|x~) is where the copied tokens "
            "are down-weighted, and --correction none trains on them at full weight.",
-           f"- Recipe as the other SmolLM2 benchmarks (grpo_smollm2, sec_smollm2): 4 prompts x {GROUP} samples, 48 new "
+           f"- Recipe as the other SmolLM2 benchmarks (grpo_smollm2, rloo_sec_smollm2): 4 prompts x {GROUP} samples, 48 new "
            f"tokens, lr 2e-5, T = 1, one update per step, no KL term; {cli.steps} steps; a checkpoint every "
            f"{cli.save_every} steps so that an interrupted run continues.",
            f"- Measured: held-out greedy accuracy per level before and after ({n} problems a level, the same for every "
@@ -277,7 +274,7 @@ def report(res: dict, cli, flags: list, base_probes: dict, section: list, failed
                    f"{r['grad_norm_max']:.2f} | {r['completions_per_step']:.1f} ({r['group_size']}) | "
                    f"{r['wall_s'] / 60:.0f} |")
     out += ["", f"Probe 'before' is the base model on the same problems (its KL is 0). Per-step metrics and probes: "
-            f"the runs' records in {os.path.relpath(cli.records, ROOT)}/ (benchmarks/claim_runs.py). "
+            f"the runs' records in {os.path.relpath(cli.records, ROOT)}/ (benchmarks/claims/claim_runs.py). "
             f"Plot: {os.path.relpath(cli.plot, ROOT)} (all-fail groups rescued, groups with "
             "a signal and the policy's entropy against step)."]
     return "\n".join(out) + "\n"
@@ -327,7 +324,7 @@ def main():
     p.add_argument("--probe-samples", type=int, default=4, help="answers sampled per held-out level-3 problem (k)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (what an interruption loses)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "oc_grpo_smollm2.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "oc_grpo_smollm2.md"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "oc_grpo_smollm2.png"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "oc_grpo_smollm2"), help="run folders")
     p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")

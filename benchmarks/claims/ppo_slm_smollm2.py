@@ -13,7 +13,7 @@ reward model are trained once (`stages`, seed 1; the RM's held-out pair accuracy
    (its B matrices leave 0) and what the run does;
 2. bfloat16 ratios: `--ppo-dtype bfloat16` against float32, two PPO steps each from the same SFT model and seed on a
    small batch (bfloat16 can be far slower on a CPU without native bfloat16: 25x under autocast in
-   benchmarks/cpu_precision.md): the importance ratio's max, the
+   benchmarks/speed/cpu_precision.md): the importance ratio's max, the
    fraction of tokens above 10 or not finite (safety/ratio_above_10) and the guard's skips;
 3. reward-model error: N(0, (2 sigma)^2) added to every training score (sigma: the RM score std of the clean run's
    first 5 steps, the paper's stress test) with the safety envelope on (score whitening and clip, reward whitening,
@@ -37,34 +37,31 @@ run and before any envelope-off run was recorded):
   or above; partly if above 0.5 on both inside the noise, or beyond it on one, or beyond on both with the verifier
   below 0.5; else not shown.
 
-    python benchmarks/ppo_slm_smollm2.py            # stages, then every arm (estimated at 2-3 hours of one thread)
-    python benchmarks/ppo_slm_smollm2.py --seeds 2 --dtypes   # beside it, once the stages are recorded: seed 2's runs
-    python benchmarks/ppo_slm_smollm2.py --steps 1 --sft-steps 1 --rm-steps 1 --num-eval-prompts 4 \\
+    python -m benchmarks.claims.ppo_slm_smollm2     # stages, then every arm (estimated at 2-3 hours of one thread)
+    python -m benchmarks.claims.ppo_slm_smollm2 --seeds 2 --dtypes  # beside it, once the stages are recorded
+    python -m benchmarks.claims.ppo_slm_smollm2 --steps 1 --sft-steps 1 --rm-steps 1 --num-eval-prompts 4 \\
         --num-eval-pairs 8 --dtypes fp32 --out /tmp/p.md --output-dir /tmp/p_runs --records /tmp/p_records  # smoke
 
-Every finished run is a record in benchmarks/runs/ppo_slm_smollm2/ (benchmarks/claim_runs.py); ppo_slm.py writes no
-checkpoints, so an interrupted run starts again. --report-only writes the report from the records.
+Every finished run is a record in benchmarks/claims/runs/ppo_slm_smollm2/ (benchmarks/claims/claim_runs.py); ppo_slm.py
+writes no checkpoints, so an interrupted run starts again. --report-only writes the report from the records.
 
-The gate (benchmarks/claim_runs.py, `claims`), once the stages are made and before any PPO run: PPO adds nothing to
-the prompt; the SFT policy's held-out greedy accuracy must leave room; and 80 prompts must be able to show the
+The gate (benchmarks/claims/claim_runs.py, `claims`), once the stages are made and before any PPO run: PPO adds nothing
+to the prompt; the SFT policy's held-out greedy accuracy must leave room; and 80 prompts must be able to show the
 paper's win rate over SFT (the outcome) and a collapse to half the SFT accuracy (the envelope). The freeze and the
 bfloat16 checks are counts and maxima, not rates: no gate. A failed gate makes a verdict "untestable here".
 """
 
 import argparse
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import tyro
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-import tyro  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-import ppo_slm  # noqa: E402
-from benchmarks.claim_runs import Claim, cached, finished_run, gate, gate_section, margin, untestable  # noqa: E402
+import ppo_slm
+from benchmarks import ROOT
+from benchmarks.claims.claim_runs import Claim, cached, finished_run, gate, gate_section, margin, untestable
 
 MODEL, LEVEL = "smollm2-135m-instruct", 3
 NOISE_SIGMAS = 2.0
@@ -177,7 +174,7 @@ def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | Non
     gated = lambda name, v: f"{untestable(gates[name][1])} (the rule alone: {v})" if gates[name][1] else v  # noqa: E731
     kinds = " ".join(f"{k.split('/')[-1]} {s0[k]:.3f}" for k in sorted(s0) if k.startswith("rm/pair_accuracy/"))
     lines = ["# PPO for small LMs on SmolLM2-135M-Instruct (issue 39)", "",
-             f"`python benchmarks/ppo_slm_smollm2.py --steps {cli.steps} --sft-steps {cli.sft_steps} --rm-steps "
+             f"`python -m benchmarks.claims.ppo_slm_smollm2 --steps {cli.steps} --sft-steps {cli.sft_steps} --rm-steps "
              f"{cli.rm_steps} --num-eval-prompts {n}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, "
              f"{torch.get_num_threads()} thread(s). Each run: `python ppo_slm.py {' '.join(stage_flags(cli))} "
              "--sft-adapter STAGES/sft_adapter --reward-model STAGES/reward_model --num-prompts 16 --minibatch-size 8 "
@@ -295,9 +292,9 @@ def main():
                         "--report-only)")
     p.add_argument("--num-eval-prompts", type=int, default=80)
     p.add_argument("--num-eval-pairs", type=int, default=200)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "ppo_slm_smollm2.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "ppo_slm_smollm2.md"))
     p.add_argument("--output-dir", default=os.path.join("runs", "ppo_slm_smollm2"), help="run folders")
-    p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "runs", "ppo_slm_smollm2"))
+    p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "claims", "runs", "ppo_slm_smollm2"))
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     os.chdir(ROOT)  # the runs' --sft-adapter / --reward-model are relative: records made in one clone read in another

@@ -1,25 +1,25 @@
 """SEC's claim on a real model: the learned curriculum against uniform sampling over testbed-nl levels 1-5, on
 SmolLM2-135M-Instruct (RLOO both arms, same steps, prompts per step, seeds and evaluation).
 
-The premise (benchmarks/testbed_premises_smollm2.md): zero-shot greedy accuracy spreads across the levels
+The premise (benchmarks/premises/testbed_premises_smollm2.md): zero-shot greedy accuracy spreads across the levels
 (0.55 / 0.35 / 0.00 / 0.15 / 0.00), so some levels give signal and some none. The paper's claim is better
 generalisation from the curriculum; the check is held-out greedy accuracy above uniform beyond the noise on both
-seeds. Writes benchmarks/sec_smollm2.md (rewritten after every run, so an interrupted benchmark keeps what it has)
-and docs/img/sec_smollm2.png (the bandit's level probabilities and the zero-advantage fraction against step).
+seeds. Writes benchmarks/claims/rloo_sec_smollm2.md (rewritten after every run, so an interrupted benchmark keeps what
+it has) and docs/img/sec_smollm2.png (the bandit's level probabilities and the zero-advantage fraction against step).
 
-    python benchmarks/sec_smollm2.py                      # 2 arms x seeds 1 and 2: 2.5-3 hours of a 2-core CPU
-    python benchmarks/sec_smollm2.py --seeds 1 --steps 2 --num-eval-problems 2   # a smoke run
+    python -m benchmarks.claims.rloo_sec_smollm2          # 2 arms x seeds 1 and 2: 2.5-3 hours of a 2-core CPU
+    python -m benchmarks.claims.rloo_sec_smollm2 --seeds 1 --steps 2 --num-eval-problems 2  # a smoke run
 
 Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run). A run
 whose folder already holds a finished run with the same arguments is read back, not rerun, and an unfinished one
 continues from its last checkpoint (every 5 steps), so the benchmark goes on in a later session and seeds can be
 added: `--seeds 1 2` after `--seeds 1` runs only seed 2.
 
-Before the runs, the gate (benchmarks/claim_runs.py, `claim`): the base model's greedy accuracy on each seed's
-held-out problems (measured first, kept in benchmarks/runs/sec_smollm2/), and whether the planned problems can show
-the gain the claim needs. `--gate-only` measures it and writes its section into the existing report, running nothing
-else. The verdict: SEC above uniform on held-out greedy accuracy (all levels) beyond the noise on both seeds: shown;
-above on both inside it, or beyond on one: partly; else not shown; a failed gate: untestable here.
+Before the runs, the gate (benchmarks/claims/claim_runs.py, `claim`): the base model's greedy accuracy on each seed's
+held-out problems (measured first, kept in benchmarks/claims/runs/rloo_sec_smollm2/), and whether the planned problems
+can show the gain the claim needs. `--gate-only` measures it and writes its section into the existing report, running
+nothing else. The verdict: SEC above uniform on held-out greedy accuracy (all levels) beyond the noise on both seeds:
+shown; above on both inside it, or beyond on one: partly; else not shown; a failed gate: untestable here.
 """
 
 import dataclasses
@@ -28,19 +28,16 @@ import shutil
 
 import argparse
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
+import tyro
 
-import numpy as np  # noqa: E402
-import tyro  # noqa: E402
-
-import rloo_sec  # noqa: E402
-from benchmarks.claim_runs import Claim, gate, gate_section, margin, untestable, with_gate  # noqa: E402
-from benchmarks.grpo_smollm2 import start_accuracy  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
+import rloo_sec
+from benchmarks import ROOT
+from benchmarks.claims.claim_runs import Claim, gate, gate_section, margin, untestable, with_gate
+from benchmarks.claims.grpo_smollm2 import start_accuracy
+from common.logger import read_metrics
 
 RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "--levels", "1", "2", "3", "4", "5",
           "--num-prompts", "4", "--group-size", "8", "--max-new-tokens", "48", "--micro-batch-size", "16",
@@ -48,7 +45,7 @@ RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "-
           "--eval-every", "0", "--save-every", "5"]
 ARMS = {"SEC (label arms)": ["--curriculum", "label"], "uniform": ["--curriculum", "uniform"]}
 LEVELS = (1, 2, 3, 4, 5)
-RECORDS = os.path.join(ROOT, "benchmarks", "runs", "sec_smollm2")
+RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "rloo_sec_smollm2")
 
 
 def claim(seeds, n: int) -> Claim:
@@ -132,16 +129,17 @@ def report(res: dict, cli, flags: list, section: list, failed: list, n_distinct:
     lv = " | ".join(f"L{x}" for x in LEVELS)
     n = cli.num_eval_problems
     lines = ["# SEC on SmolLM2-135M-Instruct (rloo_sec.py, testbed-nl levels 1-5)", "",
-             f"`python benchmarks/sec_smollm2.py --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} "
-             f"--num-eval-problems {n}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU (shared), float32, "
+             f"`python -m benchmarks.claims.rloo_sec_smollm2 --seeds {' '.join(map(str, cli.seeds))} "
+             f"--steps {cli.steps} --num-eval-problems {n}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU "
+             "(shared), float32, "
              f"{sum(r['train_s'] for r in res.values()) / 60:.0f} minutes of training steps so far (evaluations excluded). Each run is `python rloo_sec.py {' '.join(flags)} "
              "--curriculum {label,uniform} --seed S`: RLOO on both arms, 4 prompts x 8 samples a step, 48 new "
              "tokens. Held-out greedy accuracy on "
              f"{n} problems per level ({n * len(LEVELS)} in all), the same problems for every run; a cut answer "
              f"scores 0. Noise: with {n} problems a level, a cell is +-{1.96 * (0.25 / n) ** 0.5:.2f} at p = 0.5 "
              f"(95 %), the overall figure +-{1.96 * (0.25 / (n * len(LEVELS))) ** 0.5:.2f}.", "",
-             "Premise (benchmarks/testbed_premises_smollm2.md): zero-shot greedy 0.55 / 0.35 / 0.00 / 0.15 / 0.00 "
-             "on levels 1-5, so levels 3 and 5 give almost no signal to the base model.", "", *section]
+             "Premise (benchmarks/premises/testbed_premises_smollm2.md): zero-shot greedy 0.55 / 0.35 / 0.00 / 0.15 / "
+             "0.00 on levels 1-5, so levels 3 and 5 give almost no signal to the base model.", "", *section]
     seeds = [s for s in cli.seeds if all((arm, s) in res for arm in ARMS)]
     if seeds == list(cli.seeds) and len(seeds) >= 2:
         status, notes = verdict(res, seeds, n_distinct, failed)
@@ -202,7 +200,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--num-eval-problems", type=int, default=40, help="held-out problems per level")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "sec_smollm2.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "rloo_sec_smollm2.md"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "sec_smollm2.png"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_smollm2"))
     p.add_argument("--gate-only", action="store_true", help="measure the gate and write it into the existing report")

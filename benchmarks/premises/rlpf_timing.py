@@ -1,7 +1,7 @@
 """Is rlpf.py's speed reward a signal? Timing noise of the judge, before and after the change of issue 32.
 
-    python benchmarks/rlpf_timing.py                         # every task, 20 scorings, idle and busy; a while
-    python benchmarks/rlpf_timing.py --scorings 5 --tasks sum_range --conditions idle    # a quick look
+    python -m benchmarks.premises.rlpf_timing                # every task, 20 scorings, idle and busy; a while
+    python -m benchmarks.premises.rlpf_timing --scorings 5 --tasks sum_range --conditions idle  # a quick look
 
 For each task and each condition, the benchmark scores, `--scorings` times each, (a) the slow baseline's own
 program against the slow baseline (an equal-speed program: its credited speed-up should be 1 and it should earn no
@@ -18,8 +18,8 @@ two methods side by side, one scoring of each in turn:
 
 Conditions: idle (nothing started by the benchmark; the 1-minute load average is printed and recorded first, so
 that a reader can tell whether the machine was idle) and busy (--busy pure-Python busy loops started beside it,
-each bounded in time, stopped when the condition ends). Prints and writes benchmarks/rlpf_timing.md: per task and
-method the spread (min / median / max) of the credited speed-ups, how many equal-program scorings earned speed
+each bounded in time, stopped when the condition ends). Prints and writes benchmarks/premises/rlpf_timing.md: per task
+and method the spread (min / median / max) of the credited speed-ups, how many equal-program scorings earned speed
 credit (staged reward above the correct floor 0.15), and the seconds each scoring cost.
 """
 
@@ -33,11 +33,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import rlpf  # noqa: E402
+import rlpf
 from code_env import sandbox
-from code_env import tasks as code_tasks  # noqa: E402
+from code_env import tasks as code_tasks
 
 def old_lists(rng: random.Random) -> tuple:
     """Two lists of 2000 values below 8000 (count_common's inputs before issue 32)."""
@@ -146,7 +144,7 @@ def alone_paid(rows: list, method: str) -> str:
 
 def write(cli, results: dict) -> str:
     lines = ["# rlpf.py timing: an equal program and the fast reference against the slow baseline", "",
-             f"`{' '.join(['python benchmarks/rlpf_timing.py'] + sys.argv[1:])}`", "",
+             f"`{' '.join(['python -m benchmarks.premises.rlpf_timing'] + sys.argv[1:])}`", "",
              f"{cli.scorings} scorings per task, program and method; after: {cli.repeats} rounds, noise floor "
              f"calibrated from {cli.calibration_scorings} self-scorings with margin {cli.margin}, at least "
              f"{cli.min_floor}, a second judging within --confirm-band {cli.confirm_band} of it; busy: {cli.busy} "

@@ -3,22 +3,21 @@ format and the share cut at --max-new-tokens, greedy and sampled (temperature 1,
 the chat template's default system prompt (system_prompt None) and with an empty one (""), for the prompt wording of
 common/testbed_nl.py (NL_INSTRUCTION); then, greedy and with the default system prompt only, for the alternative
 wordings below. Held-out problems, the trainers' own renderer (common.data.render_prompt) and verifier
-(common.verifiers.score, the 'nl' answer rule). Writes benchmarks/smollm2_zero_shot.md.
+(common.verifiers.score, the 'nl' answer rule). Writes benchmarks/premises/smollm2_zero_shot.md.
 
-    python benchmarks/smollm2_zero_shot.py                                # 100 problems a level
-    python benchmarks/smollm2_zero_shot.py --num-problems 4 --sampled-problems 0 --alt-problems 0 --output /tmp/z.md
+    python -m benchmarks.premises.smollm2_zero_shot                       # 100 problems a level
+    python -m benchmarks.premises.smollm2_zero_shot --num-problems 4 --sampled-problems 0 --alt-problems 0 \\
+        --output /tmp/z.md
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ALTERNATIVES = {
     "end-with": ('{question}\nEnd with "The answer is N." where N is the number.', "nl"),
@@ -43,7 +42,7 @@ class Bench:
     """prompts per generate call"""
     seed: int = 0
     """seed of the problems and of sampling"""
-    output: str = "benchmarks/smollm2_zero_shot.md"
+    output: str = "benchmarks/premises/smollm2_zero_shot.md"
     """where the table goes"""
 
 
@@ -106,8 +105,8 @@ def main(bench: Bench) -> None:
     for k, (t, _) in ALTERNATIVES.items():
         wording[k] = "`" + t.replace("{question}\n", "").replace("{{}}", "{}") + "`"
     lines = ["# SmolLM2-135M-Instruct zero-shot on testbed-nl", "",
-             f"Command: `python benchmarks/smollm2_zero_shot.py --num-problems {bench.num_problems} --sampled-problems "
-             f"{bench.sampled_problems} --alt-problems {bench.alt_problems}`. Held-out problems, "
+             f"Command: `python -m benchmarks.premises.smollm2_zero_shot --num-problems {bench.num_problems} "
+             f"--sampled-problems {bench.sampled_problems} --alt-problems {bench.alt_problems}`. Held-out problems, "
              f"{bench.max_new_tokens} new tokens at most, fp32 on the CPU. "
              "Each cell: accuracy / share in the expected format / share cut at the token cap. "
              "Accuracy uses the 'nl' answer rule (the last \\boxed{}, else the number after the last \"answer is\", "

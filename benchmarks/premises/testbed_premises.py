@@ -2,7 +2,8 @@
 greedy decoding on held-out problems (200 per cell), through the prompts the trainers themselves render:
 
   1. calibration    testbed-weak: level 3 in [0.40, 0.60], level 1 >= 0.85, level 5 <= 0.10
-  2. guidance       (OC-GRPO, oc_grpo.solution_prefix and render_guided_prompt) level 5: a 50% solution prefix >= 0.30, the full solution >= 0.70
+  2. guidance       (OC-GRPO, oc_grpo.solution_prefix and render_guided_prompt) level 5: a 50% solution prefix >= 0.30,
+     the full solution >= 0.70
   3. strong student (Direct-OPD) testbed-strong level 3 >= 0.75 and >= 0.10 above the default teacher pair's post
                     model (testbed-weak improved on level 3; grounds.testbed_models.ensure_testbed_teacher_pair)
   4. knowledge      (AdaKP, Problem.hints) level 4: the helpful hints raise accuracy >= 0.15 over no hint;
@@ -12,15 +13,16 @@ greedy decoding on held-out problems (200 per cell), through the prompts the tra
   6. reward model   (ppo_slm.py) its SFT and reward-model stages with their defaults on testbed-weak: held-out pair
                     accuracy on right-vs-wrong answers >= 0.90 (ppo_slm seed = build seed + 1)
 
-    python benchmarks/testbed_premises.py              # seeds 0 and 1; writes benchmarks/testbed_premises.md
-    python benchmarks/testbed_premises.py --seeds 0    # the default models only
+    python -m benchmarks.premises.testbed_premises     # seeds 0 and 1; writes benchmarks/premises/testbed_premises.md
+    python -m benchmarks.premises.testbed_premises --seeds 0  # the default models only
 
 The second ground, a real pretrained chat model (--ground smollm2): SmolLM2-135M-Instruct on --dataset testbed-nl,
 through the same renderers and the 'nl' verifier, greedy, up to 64 new tokens, --nl-problems held-out problems a cell,
 before and (--after CHECKPOINT, e.g. a grpo.py run's checkpoint/) after RL; writes
-benchmarks/testbed_premises_smollm2.md, with each cell's leakage: of its problems, how many have an added context
-(guidance, knowledge points, proposals) that states the gold answer (benchmarks/claim_runs.states_answer). A premise
-measured with the answer in the context measures copying, not the method (../shared/CLAIMS.md):
+benchmarks/premises/testbed_premises_smollm2.md, with each cell's leakage: of its problems, how many have an added
+context (guidance, knowledge points, proposals) that states the gold answer
+(benchmarks/claims/claim_runs.states_answer). A premise measured with the answer in the context measures copying, not
+the method (../shared/CLAIMS.md):
 
   guidance   (OC-GRPO) levels 3 and 5 (zero-shot about 0): a 50% solution prefix >= 0.30, the full prefix >= 0.70
              (oc_grpo.render_guided_prompt: on testbed-nl never past the step before the result)
@@ -29,7 +31,7 @@ measured with the answer in the context measures copying, not the method (../sha
   proposals  (MADA-RL) level 2, three proposals: one right raises accuracy >= 0.10 over none; three wrong keep it
              >= half of none; shown as bare answers and as worked responses (what mada_rl.py's critics read)
 
-    python benchmarks/testbed_premises.py --ground smollm2 --after runs/grpo_smollm2/checkpoint
+    python -m benchmarks.premises.testbed_premises --ground smollm2 --after runs/grpo_smollm2/checkpoint
 
 Exits 1 when a premise fails. Build seed 0 is the cached default; other seeds build beside it (about 1.5 minutes a
 model on 2 cores). The teacher pair is built from the seed-0 testbed-weak only, so premise 3's second half is
@@ -43,16 +45,14 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from common.data import render_prompt  # noqa: E402
-from common.rollout import HFEngine  # noqa: E402
+from common.data import render_prompt
+from common.rollout import HFEngine
 from common.testbed import make_suite
-from grounds.testbed_models import ensure_testbed_model  # noqa: E402
-from mada_rl import render_critic_prompt  # noqa: E402
-from oc_grpo import render_guided_prompt, solution_prefix  # noqa: E402
+from grounds.testbed_models import ensure_testbed_model
+from mada_rl import render_critic_prompt
+from oc_grpo import render_guided_prompt, solution_prefix
 
 N = 200
 
@@ -174,7 +174,7 @@ def premises(m: dict) -> list[tuple[str, str, bool | None]]:
 
 NL_GUIDED, NL_KP, NL_PROPOSALS = (3, 5), (2, 4), (2,)
 """testbed-nl levels of each premise: guidance where the model fails alone, hints and proposals where it sometimes
-succeeds (benchmarks/smollm2_zero_shot.md)"""
+succeeds (benchmarks/premises/smollm2_zero_shot.md)"""
 
 
 def nl_accuracy(model, tok, problems, prompts, batch: int = 32) -> float:
@@ -219,7 +219,7 @@ def measure_pretrained(path: str, n: int, seed: int = 0) -> tuple[dict, dict]:
 
 def leaked(problems: list, prompts: list, tok) -> int:
     """How many of the prompts add to the plain one a context that states the problem's gold answer."""
-    from benchmarks.claim_runs import added_text, states_answer
+    from benchmarks.claims.claim_runs import added_text, states_answer
 
     return sum(states_answer(added_text(render_prompt(p, tok), x), p.answer, tok) for p, x in zip(problems, prompts))
 
@@ -269,7 +269,7 @@ def proposal_premises(m: dict, lv: int) -> list[tuple[str, str, bool, str]]:
 
 
 def main_pretrained(a) -> None:
-    from benchmarks.claim_runs import cached
+    from benchmarks.claims.claim_runs import cached
     from grounds.pretrained import ensure_pretrained_model
 
     models = {"SmolLM2-135M-Instruct": ensure_pretrained_model("smollm2-135m-instruct")}
@@ -286,14 +286,14 @@ def main_pretrained(a) -> None:
     leak = lambda key: f"{leaks[key]} of {leaks['problems'][key.split(',')[0]]}"  # noqa: E731
     cols = list(models)
     lines = ["# Premises on a real pretrained model: SmolLM2-135M-Instruct on testbed-nl", "",
-             f"`python benchmarks/testbed_premises.py --ground smollm2 --nl-problems {a.nl_problems}"
+             f"`python -m benchmarks.premises.testbed_premises --ground smollm2 --nl-problems {a.nl_problems}"
              + (f" --after {a.after}`" if a.after else "`") + f" (greedy, up to 64 new tokens, {a.nl_problems} "
              "held-out problems a cell, fewer where a level has fewer (level 1: 20 sums), the trainers' renderers and "
              "the 'nl' verifier; a cut reply scores 0), testbed-nl version "
              f"{results[cols[0]]['ground']}, {time.strftime('%Y-%m-%d')}. Measured on a 2-core CPU; the figures, not "
              "the thresholds, decide what the papers' benchmarks can show. Leakage: of a cell's problems, those whose "
              "added context (guidance, knowledge points, proposals) states the gold answer as tokens "
-             "(benchmarks/claim_runs.states_answer); a premise measured with the answer in its context measures "
+             "(benchmarks/claims/claim_runs.states_answer); a premise measured with the answer in its context measures "
              "copying. A proposal cell with one right proposal states it by design: the premise is whether the critic "
              "picks it out of three.", "",
              "| premise | leakage | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
@@ -302,7 +302,7 @@ def main_pretrained(a) -> None:
                                                               for c in cols) + " |")
     if not a.after:
         lines += ["", "After RL: not measured in this run (--after CHECKPOINT: the 30-step GRPO start of "
-                  "benchmarks/grpo_smollm2.py's start_args, which this checkout does not hold)."]
+                  "benchmarks/claims/grpo_smollm2.py's start_args, which this checkout does not hold)."]
     lines += ["", "| measurement | leakage | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for k in results[cols[0]]["cells"]:
         lines.append(f"| {k} | {leak(k) if k in leaks else ''} | " + " | ".join(
@@ -322,7 +322,7 @@ def main():
     ap.add_argument("--after", default="", help="--ground smollm2: a checkpoint folder to measure beside the model")
     ap.add_argument("--nl-problems", type=int, default=50, help="--ground smollm2: held-out problems a cell")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="build seeds")
-    ap.add_argument("--out", default="", help="report file (default benchmarks/testbed_premises[_smollm2].md)")
+    ap.add_argument("--out", default="", help="report file (default benchmarks/premises/testbed_premises[_smollm2].md)")
     a = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if a.ground == "smollm2":
@@ -332,7 +332,8 @@ def main():
     rows = {s: premises(results[s]) for s in a.seeds}
     ok = all(p is not False for s in a.seeds for _, _, p in rows[s])
     verdict = lambda p: "n/a" if p is None else "pass" if p else "**FAIL**"  # noqa: E731
-    lines = ["# Testbed premises", "", f"`python benchmarks/testbed_premises.py --seeds {' '.join(map(str, a.seeds))}` "
+    lines = ["# Testbed premises", "",
+             f"`python -m benchmarks.premises.testbed_premises --seeds {' '.join(map(str, a.seeds))}` "
              f"(greedy, {N} held-out problems per cell). All premises hold: **{'yes' if ok else 'no'}**.", "",
              "| premise | " + " | ".join(f"build seed {s}" for s in a.seeds) + " |",
              "|---|" + "---|" * len(a.seeds)]

@@ -1,18 +1,17 @@
 """Forward and backward of SmolLM2-135M-Instruct on this CPU in float32 and under bfloat16 autocast, side by side:
 whether bfloat16 compute pays here (it does on CPUs with native bfloat16, AVX512-BF16 or AMX; without them torch
-emulates it). Writes benchmarks/cpu_precision.md.
+emulates it). Writes benchmarks/speed/cpu_precision.md.
 
-    python benchmarks/cpu_precision.py                 # 4 rows x 96 tokens, 2 repeats, a few minutes
+    python -m benchmarks.speed.cpu_precision           # 4 rows x 96 tokens, 2 repeats, a few minutes
 """
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import ROOT
+
 
 
 def cpu_flags() -> str:
@@ -30,7 +29,7 @@ def main():
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "cpu_precision.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "speed", "cpu_precision.md"))
     cli = p.parse_args()
     import torch
     import tyro
@@ -58,7 +57,8 @@ def main():
         print(dtype, times[dtype], flush=True)
     f32, b16 = times["float32"], times["bfloat16"]
     lines = ["# bfloat16 compute on this CPU", "",
-             f"`python benchmarks/cpu_precision.py --rows {cli.rows} --tokens {cli.tokens} --repeats {cli.repeats}`, "
+             f"`python -m benchmarks.speed.cpu_precision --rows {cli.rows} --tokens {cli.tokens} "
+             f"--repeats {cli.repeats}`, "
              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, 2 torch threads, CPU flags: {cpu_flags()}. "
              f"SmolLM2-135M-Instruct, {cli.rows} rows x {cli.tokens} tokens, a causal-LM loss; median of "
              f"{cli.repeats} (s).", "",

@@ -1,6 +1,6 @@
 """Peak memory per rank with and without --fsdp: 2 ranks under torchrun (gloo, CPU), a ~10M-parameter Qwen2.
 
-    python benchmarks/fsdp_memory.py            # 1-8 minutes on 2 shared cores; writes benchmarks/fsdp_memory.md
+    python -m benchmarks.speed.fsdp_memory      # 1-8 minutes on 2 shared cores; writes benchmarks/speed/fsdp_memory.md
 
 Each mode runs the training step of the trainers (common/dist.py: `shard_models` or the plain path with the
 bucketed `all_reduce_grads`; a causal-LM loss divided by the global token count, clipping, AdamW) for 3 steps
@@ -26,9 +26,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from benchmarks import ROOT
 
 HIDDEN, LAYERS, INTER, VOCAB, BATCH, SEQ, STEPS = 384, 4, 1024, 8000, 4, 64, 3
 
@@ -103,9 +103,9 @@ def _local(t):
 def run(mode: str) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
-                            "--worker", mode, out], capture_output=True, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**16)})
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                            "benchmarks.speed.fsdp_memory", "--worker", mode, out], cwd=ROOT, capture_output=True,
+                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**16)})
         if r.returncode:
             raise SystemExit(f"error: the {mode} run failed:\n{r.stderr[-3000:]}")
         return json.load(open(out))
@@ -121,10 +121,10 @@ def main() -> None:
     lines = [
         "# Peak memory per rank, with and without --fsdp (2 ranks, gloo, CPU)",
         "",
-        f"`python benchmarks/fsdp_memory.py`: a Qwen2 with hidden {HIDDEN}, {LAYERS} layers, intermediate {INTER}, "
-        f"vocabulary {VOCAB} (tied embeddings): P = {P:,} parameters, fp32. Each rank trains on {BATCH} rows of "
-        f"{SEQ} tokens for {STEPS} steps (the trainers' step: loss over the global token count, summed gradients, "
-        "clipping, AdamW).",
+        f"`python -m benchmarks.speed.fsdp_memory`: a Qwen2 with hidden {HIDDEN}, {LAYERS} layers, intermediate "
+        f"{INTER}, vocabulary {VOCAB} (tied embeddings): P = {P:,} parameters, fp32. Each rank trains on {BATCH} "
+        f"rows of {SEQ} tokens for {STEPS} steps (the trainers' step: loss over the global token count, summed "
+        "gradients, clipping, AdamW).",
         "",
         "| mode | rank | params MB | grads MB | AdamW MB | held MB (sum) | training peak RSS MB | load peak RSS MB "
         "| final loss |",

@@ -1,19 +1,19 @@
 """The GPU check: every trainer on one CUDA GPU, then grpo.py at 0.5B scale with and without FSDP2.
 
-    python benchmarks/gpu_check.py             # one CUDA GPU, about 5 minutes; writes benchmarks/gpu_check.md
-    python benchmarks/gpu_check.py --dry-run   # the same commands on CPU at toy sizes (checks this script)
-    python benchmarks/gpu_check.py --only scale --size 1.5b --quick   # the memory comparison on a 1.5B body
-    python benchmarks/gpu_check.py --only recipe   # part 3: the bf16 recipe moves the weights; update memory vs formula
+    python -m benchmarks.speed.gpu_check       # one CUDA GPU, about 5 minutes; writes benchmarks/speed/gpu_check.md
+    python -m benchmarks.speed.gpu_check --dry-run  # the same commands on CPU at toy sizes (checks this script)
+    python -m benchmarks.speed.gpu_check --only scale --size 1.5b --quick  # the memory comparison on a 1.5B body
+    python -m benchmarks.speed.gpu_check --only recipe  # part 3: the bf16 recipe moves the weights; update memory
 
 Part 1 runs each trainer's short configuration with `--device cuda` on the embedded testbed (the cached testbed
 models; nothing is downloaded) and reports whether it finished, its last logged reward and held-out accuracy, and
-peak GPU memory; then the same under torchrun (one rank, NCCL) with `--fsdp`. Part 2 runs grpo.py on a Qwen2 with Qwen2.5-0.5B's body (hidden 896, 24 layers, 14 heads, random
-weights, the testbed's byte tokenizer, an eos it never samples so every completion runs to the cap): 16 prompts x
-8 samples x 128 new tokens, micro-batch 32, step time = median of the steps after the first. Configurations: the
-plain path in bfloat16 with our sampling loop (`hf`) and with `model.generate` (`hf_generate`), and `--fsdp` under
-torchrun with one rank (NCCL) with float32 master weights and `--dtype bfloat16`. One GPU cannot show
-sharding's saving (docs/fsdp.md works it out per rank count); this checks that the FSDP2 path runs on CUDA/NCCL
-and what it costs on one device.
+peak GPU memory; then the same under torchrun (one rank, NCCL) with `--fsdp`. Part 2 runs grpo.py on a Qwen2 with
+Qwen2.5-0.5B's body (hidden 896, 24 layers, 14 heads, random weights, the testbed's byte tokenizer, an eos it never
+samples so every completion runs to the cap): 16 prompts x 8 samples x 128 new tokens, micro-batch 32, step time =
+median of the steps after the first. Configurations: the plain path in bfloat16 with our sampling loop (`hf`) and with
+`model.generate` (`hf_generate`), and `--fsdp` under torchrun with one rank (NCCL) with float32 master weights and
+`--dtype bfloat16`. One GPU cannot show sharding's saving (docs/fsdp.md works it out per rank count); this checks that
+the FSDP2 path runs on CUDA/NCCL and what it costs on one device.
 """
 
 import argparse
@@ -25,8 +25,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import ROOT
+
 
 SHORT = {
     "grpo.py": ["--num-prompts", "8", "--group-size", "8", "--total-steps", "6", "--num-eval-problems", "32",
@@ -121,7 +121,7 @@ the parameter counts are smaller than Qwen's: the report prints ours)"""
 
 
 def part2(device: str, out_dir: str, timeout: int, dry_run: bool, size: str = "0.5b", quick: bool = False) -> list[dict]:
-    from benchmarks.bench_models import forced_length, random_model
+    from benchmarks.speed.bench_models import forced_length, random_model
 
     model = forced_length(random_model(64, 2, 4) if dry_run else random_model(*SIZES[size]))
     prompts, group, tokens, steps = (2, 4, 8, 3) if dry_run else (16, 8, 64 if quick else 128, 4 if quick else 5)
@@ -179,11 +179,12 @@ def part3_recipe(device: str, out_dir: str, timeout: int, dry_run: bool) -> list
     under --dtype bfloat16 (float32 masters) as in float32, and almost none with --no-master-weights; (b) one
     micro-batch of the update (completion_logprobs, its loss and backward) at 1,024 new tokens on a Qwen2.5-0.5B
     shape with Qwen's vocabulary, bf16 autocast over float32 weights, with and without gradient checkpointing: peak
-    CUDA memory above the held state against docs/fsdp.md's formula (benchmarks/update_memory.update_peak_bytes)."""
+    CUDA memory above the held state against docs/fsdp.md's formula
+    (benchmarks/speed/update_memory.update_peak_bytes)."""
     import torch
 
-    from benchmarks.bench_models import random_model
-    from benchmarks.update_memory import update_peak_bytes
+    from benchmarks.speed.bench_models import random_model
+    from benchmarks.speed.update_memory import update_peak_bytes
 
     results = []
     model = random_model(64, 2, 4) if dry_run else random_model(*SIZES["0.5b"])
@@ -206,7 +207,7 @@ def part3_recipe(device: str, out_dir: str, timeout: int, dry_run: bool) -> list
         print(json.dumps(res), flush=True)
         results.append(res)
     if device != "cuda":
-        return results  # (b) reads CUDA's allocator; the CPU figure is benchmarks/update_memory.md's
+        return results  # (b) reads CUDA's allocator; the CPU figure is benchmarks/speed/update_memory.md's
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from common.models import autocast_forward, enable_gradient_checkpointing, mask_padded_head
@@ -283,7 +284,7 @@ def write_report(path: str, header: str, smoke: list[dict], scale: list[dict], r
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check this script without a GPU")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "gpu_check.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "speed", "gpu_check.md"))
     p.add_argument("--only", choices=["all", "smoke", "smoke_fsdp", "scale", "recipe"], default="all")
     p.add_argument("--timeout", type=int, default=150, help="seconds per command")
     p.add_argument("--size", choices=sorted(SIZES), default="0.5b", help="model body of part 2")
@@ -295,7 +296,7 @@ def main():
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device; use --dry-run to check the script on CPU")
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run)"
-    header = (f"`python benchmarks/gpu_check.py`, {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, "
+    header = (f"`python -m benchmarks.speed.gpu_check`, {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, "
               f"{'dry run at toy sizes' if a.dry_run else 'one GPU'}.")
     print(header, flush=True)
     with tempfile.TemporaryDirectory() as tmp:

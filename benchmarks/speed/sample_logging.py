@@ -8,10 +8,10 @@ the same run three ways, side by side, alternating, `--repeats` times each:
 Reports the run's wall time, the sum and the median of `perf/step_time`, the median step time of the steps that
 are not evaluation steps (where `every step` logs and the others do not), and whether the learning curve is the same
 in all three (sample logging reuses the step's rows and draws no random numbers, so it must not change training).
-Writes benchmarks/sample_logging.md.
+Writes benchmarks/speed/sample_logging.md.
 
-    python benchmarks/sample_logging.py                  # 3 x 2 runs of the 300-step demo, ~8 minutes here
-    python benchmarks/sample_logging.py --steps 60 --repeats 1
+    python -m benchmarks.speed.sample_logging            # 3 x 2 runs of the 300-step demo, ~8 minutes here
+    python -m benchmarks.speed.sample_logging --steps 60 --repeats 1
 """
 
 import argparse
@@ -23,7 +23,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import ROOT
+
 ARMS = {"off": ["--log-samples", "0"], "default": [], "every step": ["--log-samples-every", "1"]}
 
 
@@ -51,7 +52,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=None, help="--total-steps of each run (default: the demo's own)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "sample_logging.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "speed", "sample_logging.md"))
     cli = p.parse_args()
     results = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,7 +65,7 @@ def main():
     same = all(r["curve"] == results["off"][0]["curve"] for rs in results.values() for r in rs)
     med = lambda arm, key: statistics.median(r[key] for r in results[arm])  # noqa: E731
     lines = ["# Sample logging's cost on the default grpo.py demo", "",
-             f"`python benchmarks/sample_logging.py{'' if cli.steps is None else f' --steps {cli.steps}'}"
+             f"`python -m benchmarks.speed.sample_logging{'' if cli.steps is None else f' --steps {cli.steps}'}"
              f"{'' if cli.repeats == 2 else f' --repeats {cli.repeats}'}`, {time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()} CPUs; {cli.repeats} runs per arm, arms alternating; figures are medians over the "
              "runs. Step times are `perf/step_time` (evaluation included); plain steps are the steps without an "

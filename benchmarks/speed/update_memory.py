@@ -2,8 +2,8 @@
 rows, 151,665 tokens) and 1,024 completion tokens, on CPU: the trainers' `completion_logprobs` against the code it
 replaced, with and without `--gradient-checkpointing`, in float32 and under bfloat16 autocast (float32 weights).
 
-    python benchmarks/update_memory.py                            # 1 and 2 rows; writes update_memory.md
-    python benchmarks/update_memory.py --rows 1 2 4 --old-rows 2  # update_memory.md's run: 23 minutes on 2 busy cores
+    python -m benchmarks.speed.update_memory                            # 1 and 2 rows; writes update_memory.md
+    python -m benchmarks.speed.update_memory --rows 1 2 4 --old-rows 2  # update_memory.md's run: 23 min, 2 busy cores
 
 The model is a randomly initialised Qwen2 built here (hidden 128, 2 layers, intermediate 256, 4 heads and 2 KV
 heads, tied embeddings as in Qwen2.5-0.5B and 1.5B), its padded head rows masked as `load_model` does
@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from benchmarks import ROOT
 
 V, TOKENS, HIDDEN, LAYERS, INTER, HEADS, KV_HEADS = 151936, 151665, 128, 2, 256, 4, 2
 PROMPT, COMPLETION = 64, 1024
@@ -141,9 +141,10 @@ def worker(config: dict, out_path: str) -> None:
 def measure(config: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(config), out], capture_output=True,
-                           text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16),
-                                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+        r = subprocess.run([sys.executable, "-m", "benchmarks.speed.update_memory", "--worker", json.dumps(config),
+                            out], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16),
+                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
         if r.returncode:
             raise SystemExit(f"error: configuration {config} failed:\n{r.stderr[-3000:]}")
         with open(out) as f:
@@ -288,7 +289,7 @@ def main(rows_list: list[int], old_rows: int, bf16_completion: int) -> None:
         print(json.dumps(results[-1]), flush=True)
     cal = results[0]
     activations = activation_table()
-    command = " ".join(["python benchmarks/update_memory.py"] + sys.argv[1:])
+    command = " ".join(["python -m benchmarks.speed.update_memory"] + sys.argv[1:])
     lines = [
         "# Peak memory of one micro-batch of the update at Qwen2.5's vocabulary (CPU)",
         "",

@@ -9,13 +9,12 @@ Part 2, training: every arm with the same problems, steps, seeds and optimiser; 
 before and after, the zero-correct fraction of training groups, mean |S| over training (first and second half),
 proxy forwards. Whether adakp beats the static subset is reported per seed, with the spread; nothing is tuned.
 
-    python benchmarks/adakp_benchmark.py                        # level 4, 2 seeds, 60 steps of 8 x 8
-    python benchmarks/adakp_benchmark.py --steps 200 --seeds 1 2 3 --proxy-problems 100
+    python -m benchmarks.testbed.adakp_benchmark                # level 4, 2 seeds, 60 steps of 8 x 8
+    python -m benchmarks.testbed.adakp_benchmark --steps 200 --seeds 1 2 3 --proxy-problems 100
 """
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -23,16 +22,14 @@ import numpy as np
 import torch
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import adakp  # noqa: E402
-from common.data import encode_prompts, load_problems, render_prompt  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import HFEngine, attach, completion_logprobs  # noqa: E402
-from common.verifiers import score  # noqa: E402
-from grounds import path_of  # noqa: E402
+import adakp
+from benchmarks import ROOT
+from common.data import encode_prompts, load_problems, render_prompt
+from common.logger import read_metrics
+from common.models import load_model, load_tokenizer
+from common.rollout import HFEngine, attach, completion_logprobs
+from common.verifiers import score
+from grounds import path_of
 
 ARMS = ["adakp", "static", "random", "all", "none"]
 
@@ -65,7 +62,7 @@ class Bench:
     """torch CPU threads"""
     output_dir: str = "runs/adakp_benchmark"
     """run folders"""
-    report: str = os.path.join(ROOT, "benchmarks", "adakp_benchmark.md")
+    report: str = os.path.join(ROOT, "benchmarks", "testbed", "adakp_benchmark.md")
     """markdown written at the end"""
 
 
@@ -191,7 +188,7 @@ def run_one(bench: Bench, arm: str, seed: int) -> dict:
 
 def main(bench: Bench) -> None:
     torch.set_num_threads(bench.threads)
-    lines = ["# AdaKP benchmark", "", f"`python benchmarks/adakp_benchmark.py` with {bench}", ""]
+    lines = ["# AdaKP benchmark", "", f"`python -m benchmarks.testbed.adakp_benchmark` with {bench}", ""]
     proxy = (proxy_check(path_of(bench.model_name), "testbed", bench.level, bench.proxy_problems,
                          bench.proxy_samples, 8) if bench.proxy_problems else None)
     if proxy:

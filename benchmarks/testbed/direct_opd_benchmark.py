@@ -3,16 +3,15 @@
 The student is testbed-strong; the weak pair is testbed-weak before and after grpo.py on level 3 (built once
 and cached by direct_opd.py). Same problems, steps, seeds and optimiser for every method; each row is one run.
 No run has a verifier in its loss. Optional rows: direct with the KL coefficient starting at its floor, and
-the pair with its roles swapped. Prints (and writes to benchmarks/direct_opd_benchmark.md) the student's
+the pair with its roles swapped. Prints (and writes to benchmarks/testbed/direct_opd_benchmark.md) the student's
 held-out accuracy before/after beside the teachers', and the dense-reward and KL diagnostics.
 
-    python benchmarks/direct_opd_benchmark.py                       # 150 steps, seed 1
-    python benchmarks/direct_opd_benchmark.py --steps 200 --seeds 1 2 3 --methods direct control swapped
+    python -m benchmarks.testbed.direct_opd_benchmark               # 150 steps, seed 1
+    python -m benchmarks.testbed.direct_opd_benchmark --steps 200 --seeds 1 2 3 --methods direct control swapped
 """
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -20,12 +19,10 @@ import numpy as np
 import torch
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import direct_opd  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
-from grounds.testbed_models import ensure_testbed_teacher_pair  # noqa: E402
+import direct_opd
+from benchmarks import ROOT
+from common.logger import read_metrics
+from grounds.testbed_models import ensure_testbed_teacher_pair
 
 METHODS = {  # name -> (label, direct_opd.py flags); "swapped" gets the built post-RL teacher's folder at run time
     "direct": ("direct", ["--reward", "direct"]),
@@ -56,7 +53,7 @@ class Bench:
     """torch CPU threads (the tiny testbed models gain little from more on a shared CPU)"""
     output_dir: str = "runs/direct_opd_benchmark"
     """run folders"""
-    report: str = os.path.join(ROOT, "benchmarks", "direct_opd_benchmark.md")
+    report: str = os.path.join(ROOT, "benchmarks", "testbed", "direct_opd_benchmark.md")
     """markdown table written at the end"""
     methods: tuple[str, ...] = ("direct", "vanilla_opd", "control")
     """which runs, in order: direct, vanilla_opd, control (identical teachers), direct_beta0.5, swapped (the pair's
@@ -121,7 +118,8 @@ def main(bench: Bench) -> list:
     text = table(results)
     with open(bench.report, "w") as f:
         f.write(f"# Direct-OPD benchmark (testbed level 3: testbed-strong student, testbed-weak pair before/after "
-                f"rejection-sampling fine-tuning)\n\n`python benchmarks/direct_opd_benchmark.py --steps {bench.steps} "
+                f"rejection-sampling fine-tuning)\n\n`python -m benchmarks.testbed.direct_opd_benchmark "
+                f"--steps {bench.steps} "
                 f"--seeds {' '.join(map(str, bench.seeds))} --num-prompts {bench.num_prompts} "
                 f"--group-size {bench.group_size} --learning-rate {bench.learning_rate}"
                 f" --methods {' '.join(bench.methods)}`\n\n{text}\n")

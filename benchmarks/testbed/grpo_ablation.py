@@ -1,23 +1,20 @@
 """GRPO's advantage normalisation side by side on the embedded testbed (same steps, seeds, data).
 
-    python benchmarks/grpo_ablation.py                 # 150 steps per variant, seed 1
-    python benchmarks/grpo_ablation.py --steps 300 --seeds 1 2 3
+    python -m benchmarks.testbed.grpo_ablation         # 150 steps per variant, seed 1
+    python -m benchmarks.testbed.grpo_ablation --steps 300 --seeds 1 2 3
 
 Prints held-out greedy accuracy before/after and the mean zero-std group fraction for
-group_std (GRPO), group_mean (Dr. GRPO) and batch_std, and writes benchmarks/grpo_ablation.md.
+group_std (GRPO), group_mean (Dr. GRPO) and batch_std, and writes benchmarks/testbed/grpo_ablation.md.
 """
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tyro
 
-import tyro  # noqa: E402
-
-import grpo  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
+import grpo
+from common.logger import read_metrics
 
 VARIANTS = {"group_std (GRPO)": ["--adv-norm", "group_std"], "group_mean (Dr. GRPO)": ["--adv-norm", "group_mean"],
             "batch_std": ["--adv-norm", "batch_std"]}

@@ -1,15 +1,16 @@
 """MADA-RL on the testbed: single generator, generator majority vote, debate with counterfactual critics and
 debate with no-counterfactual critics (the ablation), per seed; the critics' accuracy by acc_G bucket;
-trainable parameters against full fine-tuning. Writes benchmarks/mada_benchmark.md.
+trainable parameters against full fine-tuning. Writes benchmarks/testbed/mada_rl_benchmark.md.
 
 For each seed the generators are trained once (Stage 1), the critic data is built once from them
 (Stage 2), and two sets of critics are trained on the same data and splits (Stage 3): with A_C = R_C - 2 acc_G
 and with the GRPO group z-score of R_C. Both debates therefore share round 1 and differ only in the critics.
 
-    python benchmarks/mada_benchmark.py                       # seeds 1 2, the mada_rl.py defaults
-    python benchmarks/mada_benchmark.py --seeds 1 2 --generator-steps 40 --critic-steps 40
-    python benchmarks/mada_benchmark.py --seeds 1 --only-run & python benchmarks/mada_benchmark.py --seeds 2 --only-run
-    python benchmarks/mada_benchmark.py --seeds 1 2 --merge      # the report from the two runs above
+    python -m benchmarks.testbed.mada_rl_benchmark            # seeds 1 2, the mada_rl.py defaults
+    python -m benchmarks.testbed.mada_rl_benchmark --seeds 1 2 --generator-steps 40 --critic-steps 40
+    python -m benchmarks.testbed.mada_rl_benchmark --seeds 1 --only-run &
+    python -m benchmarks.testbed.mada_rl_benchmark --seeds 2 --only-run
+    python -m benchmarks.testbed.mada_rl_benchmark --seeds 1 2 --merge  # the report from the two runs above
 """
 
 import argparse
@@ -22,13 +23,12 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import mada_rl  # noqa: E402
-from common.data import load_problems  # noqa: E402
-from common.logger import RunLogger  # noqa: E402
-from common.models import load_model, load_tokenizer  # noqa: E402
-from common.rollout import make_engine  # noqa: E402
-from grounds import path_of  # noqa: E402
+import mada_rl
+from common.data import load_problems
+from common.logger import RunLogger
+from common.models import load_model, load_tokenizer
+from common.rollout import make_engine
+from grounds import path_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -194,7 +194,7 @@ def main():
             json.dump(results[seed], f)
     if a.only_run:
         return
-    write_md(results, args, "python benchmarks/mada_benchmark.py " + " ".join(sys.argv[1:]), a.out)
+    write_md(results, args, "python -m benchmarks.testbed.mada_rl_benchmark " + " ".join(sys.argv[1:]), a.out)
     print(open(a.out).read())
 
 

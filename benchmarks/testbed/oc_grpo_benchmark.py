@@ -5,17 +5,16 @@ Same problems, steps, seeds and optimiser for all; each row is one run. The casc
 prefix fraction it tries on an all-fail group, so OC-GRPO samples several times GRPO's rollouts; the control is GRPO
 with its group size raised to the rollouts per prompt the OC-GRPO run of the same seed drew (rounded), so that any
 gain that is only more sampling shows there too. Prints (and writes to
-benchmarks/oc_grpo_benchmark.md) unguided held-out accuracy before/after, the fraction of groups
+benchmarks/testbed/oc_grpo_benchmark.md) unguided held-out accuracy before/after, the fraction of groups
 with a learning signal, and the fraction of all-fail groups the cascade rescued.
 
-    python benchmarks/oc_grpo_benchmark.py                     # level 5, 30 steps of 8 x 8, seed 1: ~3 minutes
-    python benchmarks/oc_grpo_benchmark.py --steps 100 --seeds 1 2 3
+    python -m benchmarks.testbed.oc_grpo_benchmark             # level 5, 30 steps of 8 x 8, seed 1: ~3 minutes
+    python -m benchmarks.testbed.oc_grpo_benchmark --steps 100 --seeds 1 2 3
 """
 
 import json
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass
 
@@ -23,12 +22,10 @@ import numpy as np
 import torch
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import grpo  # noqa: E402
-import oc_grpo  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
+import grpo
+import oc_grpo
+from benchmarks import ROOT
+from common.logger import read_metrics
 
 METHODS = [("GRPO", grpo, []), ("OC-GRPO", oc_grpo, []),
            ("OC-GRPO, correction none", oc_grpo, ["--correction", "none"])]
@@ -58,7 +55,7 @@ class Bench:
     """torch CPU threads (the 1M-parameter testbed model gains nothing from more on a shared CPU)"""
     output_dir: str = "runs/oc_grpo_benchmark"
     """run folders"""
-    report: str = os.path.join(ROOT, "benchmarks", "oc_grpo_benchmark.md")
+    report: str = os.path.join(ROOT, "benchmarks", "testbed", "oc_grpo_benchmark.md")
     """markdown table written at the end"""
 
 
@@ -131,7 +128,7 @@ def main(bench: Bench) -> list:
     text = table(results)
     with open(bench.report, "w") as f:
         f.write(f"# OC-GRPO benchmark (testbed level {bench.level})\n\n"
-                f"`python benchmarks/oc_grpo_benchmark.py --level {bench.level} --steps {bench.steps} "
+                f"`python -m benchmarks.testbed.oc_grpo_benchmark --level {bench.level} --steps {bench.steps} "
                 f"--seeds {' '.join(map(str, bench.seeds))} --num-prompts {bench.num_prompts} "
                 f"--group-size {bench.group_size} --learning-rate {bench.learning_rate}`\n\n{text}\n")
     return results

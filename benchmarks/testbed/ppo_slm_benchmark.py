@@ -5,25 +5,22 @@ safety on with Gaussian noise of `noise_sigmas` x the RM's score std added to ev
 paper's N(0, 2 sigma)); then the noisy RM with score whitening/clip, the ratio guard, or the rollback off.
 Evaluation always uses the clean RM: its mean score and the win rate over the SFT policy on the same held-out
 prompts, the exact-match verifier's win rate and greedy accuracy, and the run's worst KL, ratio and safety
-events. Prints the table and writes it to benchmarks/ppo_slm_benchmark.md.
+events. Prints the table and writes it to benchmarks/testbed/ppo_slm_benchmark.md.
 
-    python benchmarks/ppo_slm_benchmark.py                  # testbed-weak, level 3, 60 PPO steps per row
-    python benchmarks/ppo_slm_benchmark.py --steps 250 --seeds 1 2 3
+    python -m benchmarks.testbed.ppo_slm_benchmark          # testbed-weak, level 3, 60 PPO steps per row
+    python -m benchmarks.testbed.ppo_slm_benchmark --steps 250 --seeds 1 2 3
 """
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import ppo_slm  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
+import ppo_slm
+from benchmarks import ROOT
+from common.logger import read_metrics
 
 ROWS = [  # (name, noisy RM, ppo_slm.py flags)
     ("safety on, clean RM", False, []), ("safety on, noisy RM", True, []),
@@ -48,7 +45,7 @@ class Bench:
     """torch CPU threads"""
     output_dir: str = "runs/ppo_slm_benchmark"
     """run folders"""
-    report: str = os.path.join(ROOT, "benchmarks", "ppo_slm_benchmark.md")
+    report: str = os.path.join(ROOT, "benchmarks", "testbed", "ppo_slm_benchmark.md")
     """markdown table written at the end"""
 
 
@@ -94,8 +91,8 @@ def main(bench: Bench) -> list[dict]:
     print(f"\nreward model held-out pair accuracy {stages['rm_accuracy']:.3f}; noise std "
           f"{bench.noise_sigmas} x {sigma:.3f}; total {time.time() - t0:.0f} s\n\n{table}")
     with open(bench.report, "w") as f:
-        f.write(f"# ppo_slm.py safety benchmark\n\n`python benchmarks/ppo_slm_benchmark.py` ({bench.steps} PPO steps "
-                f"per row, seeds {list(bench.seeds)}). Reward model held-out pair accuracy "
+        f.write(f"# ppo_slm.py safety benchmark\n\n`python -m benchmarks.testbed.ppo_slm_benchmark` ({bench.steps} "
+                f"PPO steps per row, seeds {list(bench.seeds)}). Reward model held-out pair accuracy "
                 f"{stages['rm_accuracy']:.3f}; training-score noise std {bench.noise_sigmas} x {sigma:.3f}.\n\n{table}\n")
     return rows
 

@@ -1,28 +1,25 @@
 """SEC curricula side by side on the embedded multi-level testbed: label, estimated, uniform, and the
 arm-signal=reward ablation, for the same steps and seeds.
 
-For each run it prints and writes to benchmarks/sec_benchmark.md: the fraction of zero-advantage
+For each run it prints and writes to benchmarks/testbed/rloo_sec_benchmark.md: the fraction of zero-advantage
 (all-equal) groups, held-out greedy accuracy per level before and after, and where the sampler put
 its mass (fraction of prompts drawn from each level, over the whole run and over its last third).
 
-    python benchmarks/sec_benchmark.py                            # 120 steps x 1 seed per config
-    OMP_NUM_THREADS=1 python benchmarks/sec_benchmark.py --steps 150   # what produced sec_benchmark.md (shared CPU)
-    python benchmarks/sec_benchmark.py --steps 300 --seeds 1 2 3
+    python -m benchmarks.testbed.rloo_sec_benchmark               # 120 steps x 1 seed per config
+    OMP_NUM_THREADS=1 python -m benchmarks.testbed.rloo_sec_benchmark --steps 150  # its report's run (a shared CPU)
+    python -m benchmarks.testbed.rloo_sec_benchmark --steps 300 --seeds 1 2 3
 """
 
 import argparse
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
+import tyro
 
-import numpy as np  # noqa: E402
-import tyro  # noqa: E402
-
-import rloo_sec  # noqa: E402
-from common.logger import read_metrics  # noqa: E402
+import rloo_sec
+from benchmarks import ROOT
+from common.logger import read_metrics
 
 CONFIGS = {
     "label": ["--curriculum", "label"],
@@ -97,7 +94,8 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds (each config runs once per seed)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), help="configs to run")
     ap.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_benchmark"), help="run folders")
-    ap.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "sec_benchmark.md"), help="markdown out")
+    ap.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "testbed", "rloo_sec_benchmark.md"),
+                    help="markdown out")
     ap.add_argument("--common", default="--eval-every 0 --eval-samples 0",
                     help="flags passed to every run (quoted string)")
     a = ap.parse_args()

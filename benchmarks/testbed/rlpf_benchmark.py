@@ -1,7 +1,7 @@
 """RLPF reward ablation on the embedded code tasks: correctness-only (RLVR) vs staged (RLPF) vs ungated speed.
 
-    python benchmarks/rlpf_benchmark.py                    # 40 steps per reward, seeds 1 and 2
-    python benchmarks/rlpf_benchmark.py --steps 60 --seeds 1 2 3
+    python -m benchmarks.testbed.rlpf_benchmark            # 40 steps per reward, seeds 1 and 2
+    python -m benchmarks.testbed.rlpf_benchmark --steps 60 --seeds 1 2 3
 
 For each reward and seed, the same steps and data from the same warm-started `testbed-code` model;
 the final evaluation samples --eval-samples programs per task and reports the pass rate, the fraction
@@ -9,22 +9,19 @@ of correct programs faster than the slow baseline, Slow/CRR, and the mean speed-
 measures the timing noise itself: a pool of correct programs (each task's slow and fast references
 and intermediate variants) is timed twice, on the tasks' timing inputs and on tiny inputs, and the
 Spearman rank correlation of the two measurements is reported (ALGORITHMS.md 7.5.3: tiny inputs make
-the speed signal nearly random). Writes benchmarks/rlpf_benchmark.md.
+the speed signal nearly random). Writes benchmarks/testbed/rlpf_benchmark.md.
 """
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tyro
 
-import tyro  # noqa: E402
-
-import rlpf  # noqa: E402
-from code_env import sandbox  # noqa: E402
-from code_env.tasks import TASKS, CodeTask, expected_outputs  # noqa: E402
+import rlpf
+from code_env import sandbox
+from code_env.tasks import TASKS, CodeTask, expected_outputs
 
 REWARDS = ("correctness", "staged", "speed_ungated")
 MIDDLE = {  # correct programs between the two references, so that the pool is not just two clusters
