@@ -5,6 +5,7 @@ and the OC-GRPO benchmark's sample-matched group size and verdict rule."""
 import dataclasses
 import json
 import os
+import re
 import types
 
 import pytest
@@ -289,6 +290,57 @@ def test_a_report_from_the_records_never_runs(tmp_path):
     assert claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), make=False)["rows"]
     assert calls == [""]  # once, by the call allowed to run
 
+
+
+def test_the_sec_claim_keeps_its_runs_as_records_and_reports_from_them_alone(tmp_path, monkeypatch):
+    # rloo_sec_smollm2 once kept its runs only in their folders, and lost them with an old checkout (issue 61)
+    import sys
+
+    import rloo_sec
+    from benchmarks.claims import rloo_sec_smollm2 as sec
+
+    records, levels = tmp_path / "rec", sec.LEVELS
+    records.mkdir()
+    for seed in (1, 2):  # the base model's start, measured before (the gate reads it)
+        start = {"eval/greedy_accuracy": 0.3, **{f"eval/greedy_accuracy/level_{k}": 0.3 for k in levels},
+                 "distinct": 10, "ground": claim_runs.GROUND,
+                 "settings": {"levels": list(levels), "n": 2, "seed": seed, "max_new_tokens": 48}}
+        (records / f"start_seed{seed}.json").write_text(json.dumps(start))
+
+    def trainer(a):  # leaves the run folder rloo_sec.main leaves: args.json, the metric rows, a checkpoint
+        calls.append(a.run_name)
+        run_dir = os.path.join(a.output_dir, a.run_name)
+        os.makedirs(os.path.join(run_dir, "checkpoint"))
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(json.loads(json.dumps(dataclasses.asdict(a))), f)
+        ev = lambda step, acc: {"step": step, "time": 1.0 + step, "eval/greedy_accuracy": acc,  # noqa: E731
+                                **{f"eval/greedy_accuracy/level_{k}": acc for k in levels}}
+        steps = [{"step": s, "time": 1.0 + s, "reward/mean": 0.5, "perf/step_time": 60.0, "adv/frac_zero_std": 0.5,
+                  "train/accuracy": 0.5, **{f"sec/level_frac/level_{k}": 0.2 for k in levels},
+                  **{f"sec/prob/arm_{k}": 0.2 for k in levels}} for s in (1, 2)]
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in [ev(0, 0.3), *steps, ev(2, 0.4 + a.seed / 10)])
+
+    def bench(*flags):
+        monkeypatch.setattr(sys, "argv", ["rloo_sec_smollm2", "--steps", "2", "--num-eval-problems", "2",
+                                          "--records", str(records), "--output-dir", str(tmp_path / "runs"),
+                                          "--out", str(tmp_path / "sec.md"), "--plot", str(tmp_path / "sec.png"),
+                                          *flags])
+        sec.main()
+        return (tmp_path / "sec.md").read_text()
+
+    calls = []
+    monkeypatch.setattr(rloo_sec, "main", trainer)
+    made = bench()
+    assert sorted(calls) == ["sec_seed1", "sec_seed2", "uniform_seed1", "uniform_seed2"]
+    assert sorted(p.name for p in records.iterdir() if not p.name.startswith("start")) == [
+        "sec_seed1.json", "sec_seed2.json", "uniform_seed1.json", "uniform_seed2.json"]
+    assert "| uniform | 2 | 0.300 -> 0.600 |" in made and "## Verdict: untestable here" in made
+    os.rename(tmp_path / "runs", tmp_path / "gone")  # a new session's checkout: no run folders
+    day = lambda text: re.sub(r"\d{4}-\d{2}-\d{2}", "<date>", text)  # noqa: E731 - a run past midnight
+    assert day(bench("--report-only")) == day(made) and len(calls) == 4  # the same report from the records alone
+    bench()
+    assert len(calls) == 4  # a rerun reads the records back
 
 # --- the gate before a claim run (claim_runs.Claim, gate) ----------------------------------------------------------
 @pytest.fixture(scope="module")

@@ -53,10 +53,10 @@ MODEL, LEVELS = "smollm2-135m-instruct", (1, 2)
 RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "grpo_smollm2")
 
 
-def start_accuracy(path: str, levels, n: int, seed: int, max_new_tokens: int = 48) -> dict:
+def start_accuracy(path: str, levels, n: int, seed: int, max_new_tokens: int = 48, make: bool = True) -> dict:
     """The base model's held-out greedy accuracy as a trainer measures it at step 0 (common.evaluate on the problems
     of `seed`, `max_new_tokens`), kept in the record `path`; with "distinct", the distinct problems it was measured on
-    (testbed-nl repeats level 1's sums when asked for more than it has)."""
+    (testbed-nl repeats level 1's sums when asked for more than it has). make=False: the record only (a report)."""
     def measure():
         from common.data import load_problems
         from common.evaluate import evaluate
@@ -69,7 +69,8 @@ def start_accuracy(path: str, levels, n: int, seed: int, max_new_tokens: int = 4
         return {**evaluate(HFEngine(model, tok), tok, problems, max_new_tokens),
                 "distinct": len({p.question for p in problems})}
 
-    return cached(path, {"levels": list(levels), "n": n, "seed": seed, "max_new_tokens": max_new_tokens}, measure)
+    return cached(path, {"levels": list(levels), "n": n, "seed": seed, "max_new_tokens": max_new_tokens}, measure,
+                  make)
 
 
 def claim(seeds, n: int, records: str = RECORDS) -> Claim:

@@ -5,15 +5,17 @@ The premise (benchmarks/premises/testbed_premises_smollm2.md): zero-shot greedy 
 (0.55 / 0.35 / 0.00 / 0.15 / 0.00), so some levels give signal and some none. The paper's claim is better
 generalisation from the curriculum; the check is held-out greedy accuracy above uniform beyond the noise on both
 seeds. Writes benchmarks/claims/rloo_sec_smollm2.md (rewritten after every run, so an interrupted benchmark keeps what
-it has) and docs/img/sec_smollm2.png (the bandit's level probabilities and the zero-advantage fraction against step).
+it has) and docs/img/rloo_sec_smollm2.png (the bandit's level probabilities and the zero-advantage fraction against
+step).
 
     python -m benchmarks.claims.rloo_sec_smollm2          # 2 arms x seeds 1 and 2: 2.5-3 hours of a 2-core CPU
     python -m benchmarks.claims.rloo_sec_smollm2 --seeds 1 --steps 2 --num-eval-problems 2  # a smoke run
 
-Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run). A run
-whose folder already holds a finished run with the same arguments is read back, not rerun, and an unfinished one
-continues from its last checkpoint (every 5 steps), so the benchmark goes on in a later session and seeds can be
-added: `--seeds 1 2` after `--seeds 1` runs only seed 2.
+Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run). Every
+finished run is kept as a record in benchmarks/claims/runs/rloo_sec_smollm2/ (benchmarks/claims/claim_runs.py,
+`finished_run`): a run with the same arguments is read back, not rerun, and an interrupted one continues from its
+last checkpoint (every 5 steps), so the benchmark goes on in a later session and seeds can be added: `--seeds 1 2`
+after `--seeds 1` runs only seed 2. `--report-only` writes the report from the records, running nothing.
 
 Before the runs, the gate (benchmarks/claims/claim_runs.py, `claim`): the base model's greedy accuracy on each seed's
 held-out problems (measured first, kept in benchmarks/claims/runs/rloo_sec_smollm2/), and whether the planned problems
@@ -21,10 +23,6 @@ can show the gain the claim needs. `--gate-only` measures it and writes its sect
 nothing else. The verdict: SEC above uniform on held-out greedy accuracy (all levels) beyond the noise on both seeds:
 shown; above on both inside it, or beyond on one: partly; else not shown; a failed gate: untestable here.
 """
-
-import dataclasses
-import json
-import shutil
 
 import argparse
 import os
@@ -35,9 +33,8 @@ import tyro
 
 import rloo_sec
 from benchmarks import ROOT
-from benchmarks.claims.claim_runs import Claim, gate, gate_section, margin, untestable, with_gate
+from benchmarks.claims.claim_runs import Claim, finished_run, gate, gate_section, margin, untestable, with_gate
 from benchmarks.claims.grpo_smollm2 import start_accuracy
-from common.logger import read_metrics
 
 RECIPE = ["--model-name", "smollm2-135m-instruct", "--dataset", "testbed-nl", "--levels", "1", "2", "3", "4", "5",
           "--num-prompts", "4", "--group-size", "8", "--max-new-tokens", "48", "--micro-batch-size", "16",
@@ -48,9 +45,9 @@ LEVELS = (1, 2, 3, 4, 5)
 RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "rloo_sec_smollm2")
 
 
-def claim(seeds, n: int) -> Claim:
+def claim(seeds, n: int, records: str = RECORDS, make: bool = True) -> Claim:
     """The claim's gate declaration: SEC above uniform on all five levels by a few points."""
-    start = {s: start_accuracy(os.path.join(RECORDS, f"start_seed{s}.json"), LEVELS, n, s) for s in seeds}
+    start = {s: start_accuracy(os.path.join(records, f"start_seed{s}.json"), LEVELS, n, s, make=make) for s in seeds}
     return Claim(split=f"held-out levels 1-5, {n} problems a level (the trainer's evaluation)",
                  n=min(r["distinct"] for r in start.values()), seeds=list(seeds),
                  start={s: r["eval/greedy_accuracy"] for s, r in start.items()},
@@ -71,14 +68,18 @@ def verdict(res: dict, seeds: list, n: int, failed: list) -> tuple[str, list[str
     return (f"{untestable(failed)} (the rule alone: {rule})" if failed else rule), notes
 
 
-def summarise(out: dict) -> dict:
-    rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
+def summarise(record: dict) -> dict:
+    """What the report shows of one run's record (claim_runs.finished_run): its first and final evaluations and its
+    steps' rows."""
+    evals = [r for r in record["rows"] if "eval/greedy_accuracy" in r]
+    before, after = evals[0], evals[-1]
+    rows = [r for r in record["rows"] if "reward/mean" in r]
     half = rows[len(rows) // 2:]
     return {
-        "run_dir": out["run_dir"], "train_s": sum(r["perf/step_time"] for r in rows), "rows": rows,
-        "before": {lv: out["before"][f"eval/greedy_accuracy/level_{lv}"] for lv in LEVELS},
-        "after": {lv: out["after"][f"eval/greedy_accuracy/level_{lv}"] for lv in LEVELS},
-        "all_before": out["before"]["eval/greedy_accuracy"], "all_after": out["after"]["eval/greedy_accuracy"],
+        "train_s": sum(r["perf/step_time"] for r in rows), "rows": rows,
+        "before": {lv: before[f"eval/greedy_accuracy/level_{lv}"] for lv in LEVELS},
+        "after": {lv: after[f"eval/greedy_accuracy/level_{lv}"] for lv in LEVELS},
+        "all_before": before["eval/greedy_accuracy"], "all_after": after["eval/greedy_accuracy"],
         "zero_std": float(np.mean([r["adv/frac_zero_std"] for r in rows])),
         "zero_std_half": float(np.mean([r["adv/frac_zero_std"] for r in half])),
         "train_acc": float(np.mean([r["train/accuracy"] for r in rows])),
@@ -87,42 +88,11 @@ def summarise(out: dict) -> dict:
     }
 
 
-IGNORED = ("batch_size", "minibatch_size", "resume", "save_every")
-"""args.json fields that do not make a run different: derived after the start, or without effect on the figures"""
-
-
-def same_run(args: rloo_sec.Args) -> bool:
-    """The run folder args.run_name holds a run (finished or not) with these arguments; a flag added to rloo_sec.py
-    since the run was made counts as the same while it keeps its default."""
-    try:
-        with open(os.path.join(args.output_dir, args.run_name, "args.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        return False
-    now = json.loads(json.dumps(dataclasses.asdict(args)))
-    defaults = json.loads(json.dumps(dataclasses.asdict(rloo_sec.Args())))
-    return saved.keys() <= now.keys() and all(saved.get(k, defaults[k]) == v for k, v in now.items()
-                                              if k not in IGNORED)
-
-
-def run(args: rloo_sec.Args) -> dict:
-    """rloo_sec's main for these arguments, or what it left: a finished run is read back, an unfinished one continues
-    from its last checkpoint (--resume: the same numbers as a run never stopped), anything else starts afresh. So a
-    benchmark stopped with its session goes on in the next one."""
-    run_dir = os.path.join(args.output_dir, args.run_name)
-    if same_run(args):
-        evals = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "eval/greedy_accuracy" in r]
-        if len(evals) >= 2 and evals[-1]["step"] == args.total_steps:
-            print(f"{args.run_name}: finished run read back from {run_dir}")
-            return {"before": evals[0], "after": evals[-1], "run_dir": run_dir}
-        if os.path.exists(os.path.join(run_dir, "checkpoint", "trainer_state.pt")):
-            print(f"{args.run_name}: continuing the unfinished run in {run_dir} from its checkpoint")
-            args.resume = run_dir
-            return rloo_sec.main(args)
-    if os.path.exists(run_dir):
-        print(f"{args.run_name}: {run_dir} holds another or unstarted run; starting afresh")
-        shutil.rmtree(run_dir)
-    return rloo_sec.main(args)
+def run_args(cli, flags: list, arm: str, seed: int) -> rloo_sec.Args:
+    """rloo_sec.py's arguments for one arm and seed; its run is recorded as <run name>.json in --records."""
+    tag = "sec" if arm.startswith("SEC") else arm
+    return tyro.cli(rloo_sec.Args, args=[*flags, *ARMS[arm], "--seed", str(seed), "--output-dir", cli.output_dir,
+                                         "--run-name", f"{tag}_seed{seed}"])
 
 
 def report(res: dict, cli, flags: list, section: list, failed: list, n_distinct: int) -> str:
@@ -158,8 +128,8 @@ def report(res: dict, cli, flags: list, section: list, failed: list, n_distinct:
         lines.append(f"| {arm} | {seed} | " + " | ".join(f"{r['mass'][x]:.2f}" for x in LEVELS) + " | "
                      + ", ".join(f"{r['prob_last'][x]:.2f}" for x in LEVELS) + " |")
     lines += ["", "Under `uniform` the bandit's Q-values are updated and logged but every level is drawn with "
-              "pi = 0.2. Per-step metrics: the runs' metrics.jsonl under "
-              f"{os.path.relpath(cli.output_dir, ROOT)}/ (not committed). Plot: docs/img/sec_smollm2.png."]
+              f"pi = 0.2. Per-step metrics: the runs' records in {os.path.relpath(cli.records, ROOT)}/ "
+              f"(benchmarks/claims/claim_runs.py). Plot: {os.path.relpath(cli.plot, ROOT)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -201,12 +171,14 @@ def main():
     p.add_argument("--num-eval-problems", type=int, default=40, help="held-out problems per level")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "rloo_sec_smollm2.md"))
-    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "sec_smollm2.png"))
-    p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_smollm2"))
+    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "rloo_sec_smollm2.png"))
+    p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_smollm2"), help="run folders")
+    p.add_argument("--records", default=RECORDS, help="the start's and the finished runs' records (committed)")
     p.add_argument("--gate-only", action="store_true", help="measure the gate and write it into the existing report")
+    p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     flags = [*RECIPE, "--total-steps", str(cli.steps), "--num-eval-problems", str(cli.num_eval_problems)]
-    declared = claim(cli.seeds, cli.num_eval_problems)
+    declared = claim(cli.seeds, cli.num_eval_problems, cli.records, make=not cli.report_only)
     lines, failed = gate(declared, {"leaks": 0, "contexts": 0})
     section = gate_section([(lines, failed)])
     print("\n".join(section))
@@ -216,13 +188,13 @@ def main():
         with open(cli.out, "w") as f:
             f.write(text)
         return
-    res = {}
+    res, text = {}, "no run recorded: the report is left as it is\n"
     for seed in cli.seeds:  # seed-major: a finished seed is a complete comparison
         for arm in cli.arms:
-            tag = "sec" if arm.startswith("SEC") else arm
-            args = tyro.cli(rloo_sec.Args, args=[*flags, *ARMS[arm], "--seed", str(seed),
-                                                  "--output-dir", cli.output_dir, "--run-name", f"{tag}_seed{seed}"])
-            res[(arm, seed)] = summarise(run(args))
+            args = run_args(cli, flags, arm, seed)
+            if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
+                continue
+            res[(arm, seed)] = summarise(finished_run(rloo_sec, args, cli.records, make=not cli.report_only))
             text = report(res, cli, flags, section, failed, declared.n)
             with open(cli.out, "w") as f:
                 f.write(text)
