@@ -5,7 +5,7 @@ greedy answers in the expected format (a reply that ends "The answer is N.", eva
 --max-new-tokens (eval/truncated_frac), and the accuracy among the answers in format. Writes
 benchmarks/claims/grpo_smollm2.md and docs/img/grpo_smollm2.png (held-out accuracy and format rate against step).
 
-    python -m benchmarks.claims.grpo_smollm2               # seeds 1 and 2, about 45 minutes on 2 cores
+    python -m benchmarks.claims.grpo_smollm2               # seeds 1 and 2 (the time it took: its report's header)
     python -m benchmarks.claims.grpo_smollm2 --seeds 1 --steps 2 --eval-every 1 --num-eval-problems 4  # a smoke run
 
 The run is grpo.py's own main with the flags printed in the report (the command reproduces one seed); the recipe
