@@ -8,8 +8,8 @@ the final evaluation samples --eval-samples programs per task and reports the pa
 of correct programs faster than the slow baseline, Slow/CRR, and the mean speed-up T_b / T_c. It also
 measures the timing noise itself: a pool of correct programs (each task's slow and fast references
 and intermediate variants) is timed twice, on the tasks' timing inputs and on tiny inputs, and the
-Spearman rank correlation of the two measurements is reported (ALGORITHMS.md 7.5.3: tiny inputs make
-the speed signal nearly random). Writes benchmarks/testbed/rlpf_benchmark.md.
+Spearman rank correlation of the two measurements is reported (the DMC paper, arXiv 2607.25970, and docs/rlpf.md:
+tiny inputs make the speed signal nearly random). Writes benchmarks/testbed/rlpf_benchmark.md.
 """
 
 import argparse
