@@ -37,6 +37,7 @@ import rlpf
 from code_env import sandbox
 from code_env import tasks as code_tasks
 
+
 def old_lists(rng: random.Random) -> tuple:
     """Two lists of 2000 values below 8000 (count_common's inputs before issue 32)."""
     return tuple([rng.randrange(8000) for _ in range(2000)] for _ in range(2))

@@ -13,7 +13,6 @@ import time
 from benchmarks import ROOT
 
 
-
 def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
