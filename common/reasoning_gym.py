@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 
 from common.testbed import Problem
 
@@ -117,6 +118,9 @@ def without_held_out(train: list[Problem], held_out: list[Problem]) -> list[Prob
     """The training problems whose question is not also a held-out one (a small level repeats questions)."""
     seen = {p.question for p in held_out}
     kept = [p for p in train if p.question not in seen]
+    if len(kept) < len(train) and os.environ.get("RANK", "0") == "0":
+        print(f"note: reasoning-gym: {len(train) - len(kept)} of {len(train)} training problems ask a held-out "
+              f"question and are dropped; {len(kept)} remain")
     if not kept:
         fail(f"reasoning-gym: all {len(train)} training problems are also held-out questions (the levels are too "
              "small for --num-eval-problems); lower it or use higher levels")
