@@ -142,3 +142,14 @@ def test_two_steps_on_smollm2(tmp_path, smollm2_dir):
     rows = [r for r in read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
     assert out["after"]["eval/num_problems"] == 2
+
+
+def test_a_scorer_module_that_is_not_installed_does_not_break_the_worker_pool():
+    """Workers import their scorers when they start; one that is missing must not kill them (a pool whose workers
+    die is rebuilt, again and again): the job runs, and a job needing the module raises and has no result."""
+    import importlib
+
+    from common.verifiers import run_limited
+
+    assert run_limited(int, {0: ("7",)}, 30.0, ("no_such_scorer_module",)) == {0: 7}
+    assert run_limited(importlib.import_module, {1: ("no_such_scorer_module",)}, 30.0) == {}
