@@ -23,6 +23,7 @@ from tqdm import tqdm
 from common.checkpoint import resume
 from common.data import load_problems
 from common.dist import all_reduce_sum
+from common.reasoning_gym import is_rg, without_held_out
 from common.logger import SAMPLES
 
 
@@ -47,6 +48,8 @@ def load_train_eval(args) -> tuple[list, list]:
     train = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed, **fields)
     held_out = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels, args.num_eval_problems,
                              args.seed, **fields)
+    if is_rg(args.dataset):  # other seeds can draw the same question at a small level: none held out is trained on
+        train = without_held_out(train, held_out)
     return train, held_out
 
 
