@@ -34,7 +34,7 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 MATH_TEMPLATE = "{question}\n" + MATH_INSTRUCTION
 RG_INSTRUCTION = "Think step by step, then give only the final answer between <answer> and </answer> tags."
 """The answer format asked after every reasoning-gym question (common.verifiers.extract_rg_answer reads these tags
-first, then the model's own phrasing: benchmarks/rg_zero_shot_smollm2.md)."""
+first, then the model's own phrasing: benchmarks/premises/rg_zero_shot_smollm2.md)."""
 MAX_FIELD_CHARS = 100_000
 """The longest question, answer, solution or knowledge point a record may carry, in characters: a one-line error
 names the record (file and line) before any model work. 100,000 characters are about 25,000 tokens of English for a

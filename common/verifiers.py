@@ -115,7 +115,7 @@ def extract_rg_answer(text: str) -> str | None:
     follows the last "answer ... is" (or "answer:", "answer ="), to the end of its sentence, after its last "=" if it
     has one (quotes, bold and '$' dropped; a number that starts it, not an expression: the number alone); else the
     last number of the reply; thousands separators dropped from a number. A small chat model asked for the tags
-    writes "The final answer to the problem is 6." (benchmarks/rg_zero_shot_smollm2.md).
+    writes "The final answer to the problem is 6." (benchmarks/premises/rg_zero_shot_smollm2.md).
 
     >>> extract_rg_answer("so <answer> 6 </answer>"), extract_rg_answer("The final answer to the sum is **1,617**.")
     ('6', '1617')

@@ -12,8 +12,8 @@ template's default system prompt. A score is the task's own (partial credit coun
 only full scores. Each finished cell is appended to --cells (JSON lines, read back on a rerun, so an interrupted run
 continues) and the table --output is rewritten.
 
-    OMP_NUM_THREADS=1 nice -n 5 python benchmarks/rg_zero_shot_smollm2.py > /tmp/rg_zero_shot.log 2>&1 &
-    python benchmarks/rg_zero_shot_smollm2.py --tasks chain_sum --levels 0 --num-problems 4 --samples 2 \\
+    OMP_NUM_THREADS=1 nice -n 5 python -m benchmarks.premises.rg_zero_shot_smollm2 > /tmp/rg_zero_shot.log 2>&1 &
+    python -m benchmarks.premises.rg_zero_shot_smollm2 --tasks chain_sum --levels 0 --num-problems 4 --samples 2 \\
         --cells /tmp/c.jsonl --output /tmp/t.md                                     # a quick look
 """
 
@@ -22,13 +22,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import tyro
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TASKS = ("basic_arithmetic", "chain_sum", "leg_counting", "gcd", "count_bits", "letter_counting", "spell_backward",
          "word_sequence_reversal", "word_sorting", "isomorphic_strings", "family_relationships", "countdown", "arc_1d",
@@ -53,9 +50,9 @@ class Bench:
     """prompts per generate call"""
     seed: int = 0
     """seed of the held-out problems and of sampling"""
-    cells: str = "benchmarks/runs/rg_zero_shot_smollm2/cells.jsonl"
+    cells: str = "benchmarks/premises/runs/rg_zero_shot_smollm2/cells.jsonl"
     """finished cells, one JSON object a line (read back: cells already there are not run again)"""
-    output: str = "benchmarks/rg_zero_shot_smollm2.md"
+    output: str = "benchmarks/premises/rg_zero_shot_smollm2.md"
     """where the table goes"""
 
 
@@ -132,7 +129,7 @@ def table(cells: list[dict], bench: Bench) -> str:
     room = headroom(cells)
     lines = [
         "# SmolLM2-135M-Instruct zero-shot on reasoning-gym tasks", "",
-        f"Command: `OMP_NUM_THREADS=1 python benchmarks/rg_zero_shot_smollm2.py --num-problems {n} --samples {k} "
+        f"Command: `OMP_NUM_THREADS=1 python -m benchmarks.premises.rg_zero_shot_smollm2 --num-problems {n} --samples {k} "
         f"--max-new-tokens {bench.max_new_tokens}` (reasoning-gym 0.1.25; {len(cells)} cells, {secs / 60:.0f} minutes "
         "of one thread on a loaded 2-core CPU, fp32)" + (f"; still to run: {', '.join(f'{t} {lv}' for t, lv in todo)}"
                                                           if todo else "") + ".", "",
