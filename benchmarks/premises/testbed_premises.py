@@ -244,7 +244,8 @@ def premises_pretrained(m: dict) -> list[tuple[str, str, bool, str]]:
     for lv in NL_GUIDED:
         for frac, need in ((0.5, 0.30), (1.0, 0.70)):
             key = f"L{lv}, {frac:.0%} solution prefix"
-            rows.append((f"guidance: L{lv} with a {frac:.0%} solution prefix >= {need:.2f} (none: L{lv})",
+            rows.append((f"guidance: L{lv} with a {frac:.0%} solution prefix (to the step before the result) >= "
+                         f"{need:.2f} (none: L{lv})",
                          f"{m[key]:.3f} (none {m[f'L{lv}']:.3f})", m[key] >= need, key))
     for lv in NL_KP:
         h, d, none = m[f"L{lv}, helpful hints"], m[f"L{lv}, distractor hints"], m[f"L{lv}"]
