@@ -99,7 +99,7 @@ class RunArgs(ExperimentArgs):
     share_prompt: bool = False
     """the update and the no-grad log-prob passes take each group's prompt through the model once and repeat its KV
     cache for the group's rows: the prompt costs 1/G of a forward and backward (on SmolLM2 with 80-token prompts,
-    benchmarks/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit, so every
+    benchmarks/speed/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit, so every
     pass of a step takes the same path: with several mini-batches the update shuffles whole groups
     (common.run.minibatch_order). It needs a group's rows in one micro-batch and one mini-batch (--micro-batch-size a
     multiple of --group-size, --num-minibatches a divisor of --num-prompts), else a piece of one row takes the plain
