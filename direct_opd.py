@@ -168,6 +168,20 @@ def check_same_vocab(tokenizers: dict) -> None:
                              f"({len(ref)} vs {len(tok)} tokens); they must share one vocabulary")
 
 
+def load_teacher(name: str, args: Args, device: str):
+    """A frozen teacher stored and computing as the reference is (common.models.frozen_copy): float32 weights (the
+    official recipe's model dtype for actor, reference and both teachers) whose forward runs under --dtype's autocast
+    (under --fsdp, FSDP2's --dtype copies of them). Stored in bfloat16, they also ran their norms and residual stream
+    in bfloat16: on SmolLM2 the pair's log-ratio was 0.086 from float32's on average, 0.069 now (its mean size 0.28;
+    the rest is bfloat16's matrix products: docs/direct_opd.md). With --no-master-weights the policy, and so the
+    reference, is stored in --dtype: the teachers too."""
+    low = args.dtype != "float32"
+    teacher = models.load_model(name, args.dtype if low and not args.master_weights else "float32", device)
+    if low and args.master_weights and not args.fsdp:
+        models.autocast_forward(teacher, getattr(torch, args.dtype))
+    return teacher.eval().requires_grad_(False)
+
+
 def default_teacher_post(teacher_pre: str) -> str:
     """The demo pair's post model (cached; built on first use, by rank 0 under torchrun)."""
     if teacher_pre != "testbed-weak":
@@ -377,8 +391,7 @@ def main(args: Args) -> dict:
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(model)  # each layer recomputed in backward (set before sharding)
     ref_model = models.frozen_copy(model)
-    post_model = models.load_model(teacher_post, args.dtype, device).eval().requires_grad_(False)
-    pre_model = models.load_model(teacher_pre_path, args.dtype, device).eval().requires_grad_(False)
+    post_model, pre_model = load_teacher(teacher_post, args, device), load_teacher(teacher_pre_path, args, device)
     model, ref_model, post_model, pre_model = dist.shard_models(args, model, ref_model, post_model, pre_model)  # --fsdp
     # ALGO LOGIC: the batch sizes; AdamW, warmed up linearly over --warmup-steps optimizer steps, then constant
     args.batch_size = args.num_prompts * args.group_size  # rollouts per step (per rank)

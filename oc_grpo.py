@@ -288,9 +288,9 @@ def render_guided_prompt(problem, tokenizer, prefix: str) -> str:
     """The guided prompt x~: the question and the first part of its reference solution, labelled as what it is, after
     the question's template (the paper puts "Reference solution:" in its system prompt). Testbed: the "Ref:<prefix>"
     line the testbed models were warm-started with; testbed-nl: never past the steps before the one that states the
-    result (before_result: the guidance teaches, it does not hand over the answer), "First steps of
-    a solution, without its final result: <prefix>", none when no step comes before it; other data: "Reference
-    solution: <prefix>" when the prefix is all of it, else "Partial reference solution: <prefix>"."""
+    result (before_result: the guidance teaches, it does not hand over the answer), "First steps of a solution,
+    without its final result: <prefix>", none when no step comes before it; other data: "Reference solution:
+    <prefix>" when the prefix is all of it, else "Partial reference solution: <prefix>"."""
     if problem.task == "testbed":
         return testbed.render_testbed_prompt(problem.question, solution_prefix=prefix)
     if problem.task == "nl":

@@ -162,7 +162,8 @@ class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
     """stop training after this many rollbacks"""
 
     rm_noise_std: float = 0.0
-    """Gaussian noise added to every raw RM score (a deliberately noisy RM, as in benchmarks/ppo_slm_benchmark.py)"""
+    """Gaussian noise added to every raw RM score (a deliberately noisy RM, as in
+    benchmarks/testbed/ppo_slm_benchmark.py)"""
 
     # Evaluation
     num_eval_prompts: int = 200

@@ -26,7 +26,7 @@ so the curriculum prefers the arms whose success rate is near 1/2, where RLOO gr
 not degenerate. `--curriculum estimated` needs no labels: a per-problem success-rate EMA
 (unseen problems 0.5) puts problems in K buckets (bucket 0 hardest), re-indexed every few
 steps (on the small CPU demo it then trains on a handful of bucketed problems and does
-worse than uniform: benchmarks/sec_benchmark.md). `--curriculum uniform` is the baseline
+worse than uniform: benchmarks/testbed/rloo_sec_benchmark.md). `--curriculum uniform` is the baseline
 (arms drawn uniformly, the bandit only logged) and `--arm-signal reward|success` the
 paper's ablation (the bandit then chases easy arms).
 

@@ -34,7 +34,7 @@ f = max(--min-noise-floor, exp(--noise-floor-margin x max |log self-speed-up|)) 
 1.2, covers the rare outlier a few calibration judgings miss.
 Cost: per judging of a task, (1 + repeats) calls of every distinct correct program and of both references, about
 10 x 55-100 ms of CPU for each one as slow as the baseline, plus a sandbox start per program; at start, calibration
-judgings per task (seconds per scoring and per calibration: benchmarks/rlpf_timing.md).
+judgings per task (seconds per scoring and per calibration: benchmarks/premises/rlpf_timing.md).
 
 The group-relative advantage and the clipped objective are GRPO's (grpo.py), unchanged:
 
@@ -104,7 +104,7 @@ class Args(RunArgs):  # common/args.py: run folder, resume, logging, device, sam
     slower than another); 1 turns the second judging off"""
     min_noise_floor: float = 1.2
     """the noise floor is never below this factor: a few calibration judgings miss the rare outlier (an equal
-    program reached 1.10-1.12x in about 1 of 100 scorings here, benchmarks/rlpf_timing.md); 1 = the calibration
+    program reached 1.10-1.12x in about 1 of 100 scorings here, benchmarks/premises/rlpf_timing.md); 1 = the calibration
     alone"""
 
     # Rollouts

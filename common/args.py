@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from common.reasoning_gym import check_spec, is_rg
+
 
 @dataclass
 class ExperimentArgs:
@@ -55,8 +57,8 @@ class RunArgs(ExperimentArgs):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """compute precision. bfloat16 / float16: forward and backward in that dtype (autocast; under --fsdp, FSDP2's
     bfloat16 copies of the parameters with gradients reduced in float32) over float32 master weights, gradients and
-    AdamW state; frozen teachers are stored in it, the reference as the policy is, so that the two agree exactly at
-    step 0 (common.models.frozen_copy; docs/fsdp.md: bytes per parameter)"""
+    AdamW state; the reference is stored as the policy is, so that the two agree exactly at step 0, and direct_opd's
+    teachers so too (common.models.frozen_copy; docs/fsdp.md: bytes per parameter)"""
     master_weights: bool = True
     """with --dtype bfloat16 / float16, keep the trained weights in float32; --no-master-weights stores them in
     --dtype (half their memory, but AdamW updates below half a bfloat16 step round away: a warning is printed)"""
@@ -100,7 +102,7 @@ class RunArgs(ExperimentArgs):
     share_prompt: bool = False
     """the update and the no-grad log-prob passes take each group's prompt through the model once and repeat its KV
     cache for the group's rows: the prompt costs 1/G of a forward and backward (on SmolLM2 with 80-token prompts,
-    benchmarks/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit, so every
+    benchmarks/speed/trl_throughput_smollm2.md). Equal to the plain forward to float rounding, not bit for bit, so every
     pass of a step takes the same path: with several mini-batches the update shuffles whole groups
     (common.rollout.minibatch_order). It needs a group's rows in one micro-batch and one mini-batch (--micro-batch-size
     a multiple of --group-size, --num-minibatches a divisor of --num-prompts), else a piece of one row takes the plain
@@ -120,7 +122,8 @@ class TrainArgs(RunArgs):
     """'testbed-weak', 'testbed-strong' (built locally and cached), 'smollm2-135m-instruct' (converted once from an
     installed package, see docs/testbed.md), a Hugging Face id, or a local folder"""
     dataset: str = "testbed"
-    """'testbed', 'testbed-nl' (the testbed's problems in words, for chat models), a local .jsonl/.json file (every
+    """'testbed', 'testbed-nl' (the testbed's problems in words, for chat models), 'rg:<task>[,<task>...]'
+    (reasoning-gym's procedural tasks, levels from --levels), a local .jsonl/.json file (every
     10th distinct record is held out for evaluation, the others train; repeated questions are dropped), a folder of <split>.jsonl files, or a Hugging Face
     dataset name"""
     dataset_config: str | None = None
@@ -133,7 +136,8 @@ class TrainArgs(RunArgs):
     eval_split: str = "test"
     """split used for held-out evaluation"""
     levels: tuple[int, ...] = (3,)
-    """testbed and testbed-nl difficulty levels to train and evaluate on (1 easiest .. 5 hardest)"""
+    """difficulty levels to train and evaluate on: testbed and testbed-nl 1 (easiest) .. 5 (hardest); rg: the task's
+    curriculum levels, from 0 (common/reasoning_gym.py)"""
     question_field: str | None = None
     """record field holding the question (auto-detected when unset)"""
     answer_field: str | None = None
@@ -141,7 +145,7 @@ class TrainArgs(RunArgs):
     solution_field: str | None = None
     """record field holding a reference solution (optional)"""
     num_train_problems: int = 0
-    """keep only this many training problems (0: all; testbed: 500 per level)"""
+    """keep only this many training problems (0: all; testbed, testbed-nl and rg: this many per level, 0: 500)"""
     max_prompt_tokens: int = 0
     """truncate prompts to their last N tokens (0: never)"""
     system_prompt: str | None = None
@@ -164,7 +168,7 @@ class TrainArgs(RunArgs):
     eval_every: int = 50
     """evaluate every N steps (0: only before and after training)"""
     num_eval_problems: int = 200
-    """held-out problems per evaluation"""
+    """held-out problems per evaluation (testbed, testbed-nl and rg: per level)"""
 
 
 EVAL_SET = ("seed", "dataset", "dataset_config", "eval_dataset", "eval_split", "levels", "num_eval_problems")
@@ -227,6 +231,9 @@ def check_sampling_args(args) -> None:
     # frozen run (tests measure the ratio at 1 that way)
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         fail(f"--output-dir {args.output_dir} is a file; run folders are created inside a folder")
+    for dataset in (args.dataset, getattr(args, "eval_dataset", "")):  # (ppo_slm and rlpf have no --eval-dataset)
+        if is_rg(dataset):  # its tasks and levels, before a model loads
+            check_spec(dataset, getattr(args, "levels", ()))
     if args.model_name in ("testbed-weak", "testbed-strong") and args.dataset != "testbed":
         print(f"warning: --model-name {args.model_name} reads only the testbed's own compact problems (--dataset "
               f"testbed), not {args.dataset}; pass --model-name (e.g. smollm2-135m-instruct, a hub id or a folder)")

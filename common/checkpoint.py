@@ -37,12 +37,11 @@ from safetensors import safe_open
 from common.args import fail
 from common.dist import all_reduce_sum, is_sharded, rank_world
 from common.logger import read_metrics
+from common.manifest import MANIFEST, SHARDED, check_files, read_manifest, write_manifest
 
 KILL_AFTER_SAVE = "TINYPOST_TEST_KILL_AFTER_SAVE"
 """tests: SIGKILL the process at a deterministic point: STEP right after the checkpoint of that step is written;
 STEP:swap in its save, after the previous checkpoint is removed and before checkpoint.tmp is renamed into place"""
-MANIFEST = "manifest.json"
-"""written last into a checkpoint folder: {"step": N, "files": {relative path: {"bytes": n, "sha256": hex}}}"""
 FOLDERS = ("checkpoint", "checkpoint.old", "checkpoint.tmp")
 """where a run's checkpoint can be, in order of preference at the same step (.old: written by earlier versions)"""
 
@@ -115,7 +114,7 @@ def _kept(run_dir: str) -> str:
     path = find_checkpoint(run_dir)
     if path is None:
         return "no earlier checkpoint exists: free some space and start again"
-    step = (_manifest(path) or {}).get("step")
+    step = (read_manifest(path) or {}).get("step")
     return (f"{path if step is None else f'the checkpoint of step {step}'} is kept: free some space and continue with "
             f"--resume {run_dir}")
 
@@ -138,60 +137,6 @@ def keep_newest(run_dir: str) -> None:
         os.replace(best, final)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_manifest(path: str, step: int) -> None:
-    """Every file of the folder with its size and sha256, written last and atomically: the folder is now complete."""
-    files = {}
-    for root, _, names in os.walk(path):
-        for file in (os.path.join(root, name) for name in names):
-            if not os.path.relpath(file, path).startswith(MANIFEST):  # not itself, when a folder's is written again
-                files[os.path.relpath(file, path)] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
-    with open(os.path.join(path, MANIFEST + ".part"), "w") as f:
-        json.dump({"step": step, "files": files}, f, indent=1, sort_keys=True)
-    os.replace(os.path.join(path, MANIFEST + ".part"), os.path.join(path, MANIFEST))
-
-
-def _manifest(path: str) -> dict | None:
-    """The manifest of a checkpoint folder; None when it has none; {} when it cannot be read (check_files says so)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
-
-
-def check_files(path: str, where: str, model_only: bool = False) -> bool:
-    """Check every file a checkpoint folder's manifest lists (size, then sha256; `model_only`: what loading it as a
-    model reads, not the trainer and rank states or the FSDP shards): a one-line error naming the first file that is
-    missing or differs. False when the folder has no manifest (a model folder, or a checkpoint saved before them)."""
-    manifest = _manifest(path)
-    if manifest is None:
-        return False
-    if not manifest:
-        fail(f"{where}: {os.path.join(path, MANIFEST)} is corrupt (it lists the checkpoint's files)")
-    for name, want in sorted(manifest["files"].items()):
-        if model_only and (name.endswith(".pt") or name.startswith(SHARDED + os.sep)):
-            continue
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            fail(f"{where}: {file} is missing")
-        if os.path.getsize(file) != want["bytes"]:
-            fail(f"{where}: {file} is truncated or corrupt ({os.path.getsize(file)} bytes, {want['bytes']} when saved)")
-        if _sha256(file) != want["sha256"]:
-            fail(f"{where}: {file} is corrupt (its sha256 differs from the one saved with it)")
-    return True
-
-
 def disk_full(e: BaseException, folder: str) -> bool:
     """Whether a failed write met a full disk: an OSError ENOSPC or EDQUOT in the exception's chain or text
     (safetensors and DCP pass it on as text), or torch.save's short write (`unexpected pos`: torch drops the errno)
@@ -204,10 +149,6 @@ def disk_full(e: BaseException, folder: str) -> bool:
     return (any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for x in chain)
             or any(os.strerror(n) in text for n in (errno.ENOSPC, errno.EDQUOT))
             or "unexpected pos" in text and shutil.disk_usage(folder).free < 64 << 20)
-
-
-SHARDED = "sharded"
-"""FSDP2 checkpoints: the torch.distributed.checkpoint folder (model and AdamW shards) inside checkpoint/"""
 
 
 def save_sharded(path: str, model, optimizer) -> None:
@@ -241,7 +182,7 @@ def find_checkpoint(run_dir: str) -> str | None:
     manifest counts, for check_files to report). A run whose checkpoints have no manifest (saved by earlier versions):
     checkpoint, or checkpoint.old when a save was killed between its two renames."""
     paths = [os.path.join(run_dir, name) for name in FOLDERS]
-    complete = [(m.get("step", -1), -i, p) for i, p in enumerate(paths) if (m := _manifest(p)) is not None]
+    complete = [(m.get("step", -1), -i, p) for i, p in enumerate(paths) if (m := read_manifest(p)) is not None]
     if complete:
         return max(complete)[2]
     return next((p for p in paths[:2] if os.path.exists(os.path.join(p, "trainer_state.pt"))), None)
@@ -399,7 +340,7 @@ class CtrlC:
             self.say(f"interrupted: {self.no_resume}")
         else:
             path = find_checkpoint(self.run_dir)  # the newest complete one: a save cut short leaves the previous
-            saved = (_manifest(path) or {}).get("step") if path else None
+            saved = (read_manifest(path) or {}).get("step") if path else None
             kept = (f"the checkpoint of step {saved} is kept; {self.next_move()}" if saved is not None else
                     f"{path} is kept; {self.next_move()}" if path else
                     "no checkpoint was written yet (--save-every N writes one every N steps)")

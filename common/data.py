@@ -2,6 +2,8 @@
 
     --dataset testbed                 the embedded suite (levels from --levels)
     --dataset testbed-nl              the same kind of problems in words, for chat models (common/testbed_nl.py)
+    --dataset rg:chain_sum,gcd        reasoning-gym's procedural tasks, their curriculum levels from --levels
+                                      (common/reasoning_gym.py)
     --dataset data/problems.jsonl     one JSON object per line; repeated questions dropped, every 10th distinct record
                                       held out (--eval-dataset: read whole)
     --dataset openai/gsm8k            any HF dataset (GSM8K, MATH-500 and similar fields)
@@ -19,6 +21,7 @@ import os
 import random
 import re
 
+from common import reasoning_gym as rg
 from common.args import fail
 from common.problem import Problem
 from common.testbed import make_suite, render_testbed_prompt
@@ -30,6 +33,9 @@ ANSWER_FIELDS = ("answer", "ground_truth", "final_answer", "target", "output")
 SOLUTION_FIELDS = ("solution", "reasoning", "rationale")
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{{}}."
 MATH_TEMPLATE = "{question}\n" + MATH_INSTRUCTION
+RG_INSTRUCTION = "Think step by step, then give only the final answer between <answer> and </answer> tags."
+"""The answer format asked after every reasoning-gym question (common.verifiers.extract_rg_answer reads these tags
+first, then the model's own phrasing: benchmarks/premises/rg_zero_shot_smollm2.md)."""
 MAX_FIELD_CHARS = 100_000
 """The longest question, answer, solution or knowledge point a record may carry, in characters: a one-line error
 names the record (file and line) before any model work. 100,000 characters are about 25,000 tokens of English for a
@@ -167,6 +173,8 @@ def load_problems(dataset: str, split: str = "train", levels=(2,), num_problems:
     if dataset in ("testbed", "testbed-nl"):
         return (make_suite if dataset == "testbed" else make_nl_suite)(
             "test" if split in ("test", "validation") else "train", tuple(levels), num_problems or 500, seed)
+    if rg.is_rg(dataset):
+        return rg.make_rg_problems(dataset, split, tuple(levels), num_problems or 500, seed)
     where, one_file = None, dataset.endswith((".jsonl", ".json")) and not os.path.isdir(dataset)
     local = [f for f in (os.path.join(dataset, split + ext) for ext in (".jsonl", ".json")) if os.path.isfile(f)]
     if one_file:
@@ -203,6 +211,8 @@ def load_train_eval(args) -> tuple[list, list]:
     train = load_problems(args.dataset, args.train_split, args.levels, args.num_train_problems, args.seed, **fields)
     held_out = load_problems(args.eval_dataset or args.dataset, args.eval_split, args.levels, args.num_eval_problems,
                              args.seed, **fields)
+    if rg.is_rg(args.dataset):  # other seeds can draw the same question at a small level: none held out is trained on
+        train = rg.without_held_out(train, held_out)
     return train, held_out
 
 
@@ -216,8 +226,9 @@ def render_prompt(problem: Problem, tokenizer, hints=(), suffix: str = "", templ
         return render_testbed_prompt(problem.question, hints)
     # hints in KnowRL's format: "{problem}\n\n## Hint\n{one per line}\n\nPlease reason step by step, ..."
     question = problem.question + ("\n\n## Hint\n" + "\n".join(hints) + "\n" if hints else "")
-    if problem.task == "nl":  # testbed-nl asks for its own answer line (also inside a trainer's own template)
-        template = template.replace(MATH_INSTRUCTION, NL_INSTRUCTION.replace("{", "{{").replace("}", "}}"))
+    if problem.task in ("nl", "rg"):  # they ask for their own answer format (also inside a trainer's own template)
+        own = NL_INSTRUCTION if problem.task == "nl" else RG_INSTRUCTION
+        template = template.replace(MATH_INSTRUCTION, own.replace("{", "{{").replace("}", "}}"))
     text = template.format(question=question) + suffix
     if getattr(tokenizer, "chat_template", None):
         system = getattr(tokenizer, "system_prompt", None)  # set by common.models.load_tokenizer

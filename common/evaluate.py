@@ -59,9 +59,11 @@ def evaluate(engine, tokenizer, problems: list, max_new_tokens: int, num_samples
                                   max_new_tokens=max_new_tokens)
         bar.update(bar.total - bar.n)
         c = score(sampled.texts, [p for p in share for _ in range(num_samples)], sampled.truncated_B)
-        per_problem = [sum(c[i * num_samples : (i + 1) * num_samples]) for i in range(counted)]
+        # pass@k counts the samples with a full score (a reasoning-gym task's partial credit is not a pass)
+        solved = [sum(x >= 1 for x in c[i * num_samples : (i + 1) * num_samples]) for i in range(counted)]
         k = min(pass_k or num_samples, num_samples)
-        sums += [sum(per_problem), counted * num_samples, sum(pass_at_k(num_samples, int(x), k) for x in per_problem)]
+        sums += [sum(c[: counted * num_samples]), counted * num_samples,
+                 sum(pass_at_k(num_samples, x, k) for x in solved)]
     bar.close()
     engine.on_answers = None
     total = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from common.checkpoint import check_files
+from common.manifest import check_files
 
 EMBEDDED_NAMES = ("testbed-weak", "testbed-strong", "smollm2-135m-instruct", "testbed-code")
 """the models grounds/ builds locally (grounds.EMBEDDED_MODELS): named here for the error messages, and for the

@@ -23,7 +23,11 @@ class Problem:
     hint_helpful: list = field(default_factory=list)
     """for each hint, whether the reference solution uses it"""
     task: str = "testbed"
-    """'testbed' (compact prompt, exact integer check), 'math' (chat prompt, math-verify) or 'nl' (testbed-nl: chat
-    prompt, its own answer rule and format, math-verify)"""
+    """'testbed' (compact prompt, exact integer check), 'math' (chat prompt, math-verify), 'nl' (testbed-nl: chat
+    prompt, its own answer rule and format, math-verify) or 'rg' (a reasoning-gym task: chat prompt asking for
+    <answer> tags, the task's own scorer)"""
     uid: str = ""
     """stable identifier of the problem"""
+    entry: dict | None = None
+    """the source's own record, for a verifier that reads more than the answer (task 'rg': the reasoning-gym item, its
+    metadata naming the task, for that task's score_answer)"""

@@ -656,7 +656,7 @@ def token_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperatu
     blocks of LOGPROB_CHUNK entries. With top_p < 1 both are those of the top-p nucleus renormalised, the
     distribution the samplers drew from (`sampler_support`). Beyond the logits themselves, forward and backward
     together hold one more tensor of their size and dtype (the gradient), not float32 copies (docs/fsdp.md,
-    benchmarks/update_memory.md).
+    benchmarks/speed/update_memory.md).
 
     >>> logp, ent = token_logprobs(torch.tensor([[[0.0, 0.0, -1e4]]]), torch.tensor([[1]]), with_entropy=True)
     >>> round(logp.item(), 4), round(ent.item(), 4)  # two equal entries and a padded head row (common.models)

@@ -32,7 +32,9 @@ from common.testbed import is_heldout
 
 NL_LEVELS = (1, 2, 3, 4, 5)
 VERSION = 2
-"""in claim records (benchmarks/claim_runs.py). 1: knowledge points stated answers, held-out sums came twice. 2: not"""
+"""which problems and contexts this file builds, kept in claim records (benchmarks/claims/claim_runs.py) so that a
+run made on others is never read back. 1: knowledge points stated the answer, held-out level 1 repeated its sums;
+2: neither (the same problems otherwise)"""
 NL_INSTRUCTION = 'First write the sum with its result. Then end with "The answer is" and that number.'
 """The answer-format instruction common.data.render_prompt puts after every testbed-nl question (chosen on measured
 zero-shot replies of SmolLM2-135M-Instruct: benchmarks/smollm2_zero_shot.md)."""

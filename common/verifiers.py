@@ -1,25 +1,31 @@
-"""Verifiable rewards: the testbed checker, a math checker on math-verify, a format reward.
+"""Verifiable rewards: the testbed checker, a math checker on math-verify, reasoning-gym's own scorers, a format reward.
 
 The final answer of a reply (`extract_answer`): for math, the last `\\boxed{}`, else what follows the last `####`;
 for testbed-nl (task 'nl', replies of a small chat model) the last `\\boxed{}` if the reply has one, else the
-number after the last "answer is", else the last number of the reply.
+number after the last "answer is", else the last number of the reply; for reasoning-gym (task 'rg') the
+`extract_rg_answer` rule: its `<answer>` tags, else the model's own phrasing.
 
 Every reward function returns a float and never raises on model output: garbage, empty strings and pathological
-expressions score 0.
+expressions score 0. A reasoning-gym score is the task's own, in [0, 1]: some tasks give partial credit.
 
 math-verify's own timeouts use `signal.alarm`, which only works on the main thread, and SymPy can hang for minutes on
-inputs like `9^{9^{9^{9}}}`. So the symbolic check runs in a small pool of worker processes with a wall-clock limit per
-answer; a worker that overruns is killed, its answer scores 0, and the pool is rebuilt. This is thread-safe.
+inputs like `9^{9^{9^{9}}}`; reasoning-gym's scorers parse model output too (some with SymPy, some with `eval`). So
+both checks run in a small pool of worker processes with a wall-clock limit per answer; a worker that overruns is
+killed, its answer scores 0, and the pool is rebuilt. This is thread-safe.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import importlib
+import math
 import multiprocessing as mp
 import re
 import signal
 import threading
+
+from common.reasoning_gym import rg_score
 
 _TESTBED_FORMAT = re.compile(r"^-?\d+$")
 # a whole answer that is one number written with thousands separators: 1,234,567 or LaTeX's 1{,}234 and 1\,234
@@ -29,6 +35,11 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 _ANSWER_IS = re.compile(r"answer is(?:[\s:*$=]*(-?\d+(?:,\d{3})*(?:\.\d+)?))?", re.IGNORECASE)
 # testbed-nl's format: the reply ends with "The answer is N." (N a number; bold or '$' around it allowed)
 _NL_FORMAT = re.compile(r"the answer is:?\s*[*$]*-?\d+(?:,\d{3})*(?:\.\d+)?[*$]*\.?[*]*\s*$", re.IGNORECASE)
+_ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# "answer" and, within its sentence, "is" / ":" / "=", then the rest of the line: "The final answer to the given
+# problem is 6.", "Answer: new"
+_ANSWER_SAID = re.compile(r"\banswer\b[^.\n<]{0,80}?(?:\bis\b|:|=)[\s*$:]*([^\n]*)", re.IGNORECASE)
+_LEADING_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?![\w/^.]|\s*[-+*/x×^]\s*\d)")
 
 
 def testbed_reward(completion: str, answer: str) -> float:
@@ -64,9 +75,11 @@ def last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str, task: str = "math") -> str | None:
     """The final answer of a completion: the last `\\boxed{}`, else what follows the last `####` (task 'nl':
-    `extract_nl_answer`)."""
+    `extract_nl_answer`; task 'rg': `extract_rg_answer`)."""
     if task == "nl":
         return extract_nl_answer(text)
+    if task == "rg":
+        return extract_rg_answer(text)
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -92,6 +105,38 @@ def extract_nl_answer(text: str) -> str | None:
     said = list(_ANSWER_IS.finditer(text))
     if said:
         return strip_thousands(said[-1].group(1)) if said[-1].group(1) else None
+    numbers = _NUMBER.findall(text)
+    return strip_thousands(numbers[-1]) if numbers else None
+
+
+def extract_rg_answer(text: str) -> str | None:
+    """The answer of a reply to a reasoning-gym question, which asks for `<answer>` tags: the inside of the last
+    `<answer>...</answer>` (or all after a last `<answer>` never closed); else the last `\\boxed{}`; else what
+    follows the last "answer ... is" (or "answer:", "answer ="), to the end of its sentence, after its last "=" if it
+    has one (quotes, bold and '$' dropped; a number that starts it, not an expression: the number alone); else the
+    last number of the reply; thousands separators dropped from a number. A small chat model asked for the tags
+    writes "The final answer to the problem is 6." (benchmarks/premises/rg_zero_shot_smollm2.md).
+
+    >>> extract_rg_answer("so <answer> 6 </answer>"), extract_rg_answer("The final answer to the sum is **1,617**.")
+    ('6', '1617')
+    >>> extract_rg_answer('Answer: "wen".'), extract_rg_answer("It is 5 - -4 = 9."), extract_rg_answer("answer = 1 + 2 = 3")
+    ('wen', '9', '3')
+    >>> extract_rg_answer("The answer is 2 + 3."), extract_rg_answer("<answer>7"), extract_rg_answer("hm")
+    ('2 + 3', '7', None)
+    """
+    tagged = _ANSWER_TAGS.findall(text)
+    if tagged:
+        return tagged[-1].strip()
+    if "<answer>" in text.lower():
+        return text[text.lower().rindex("<answer>") + len("<answer>"):].strip() or None
+    if "\\boxed" in text:
+        boxed = last_boxed(text)
+        return boxed.strip() if boxed is not None else None
+    said = list(_ANSWER_SAID.finditer(text))
+    if said:
+        rest = re.sub(r"\.(\s|$).*", "", said[-1].group(1)).rsplit("=", 1)[-1].strip().strip("*$`'\"").strip()
+        number = _LEADING_NUMBER.match(rest)
+        return strip_thousands(number.group()) if number else rest or None
     numbers = _NUMBER.findall(text)
     return strip_thousands(numbers[-1]) if numbers else None
 
@@ -129,18 +174,38 @@ def _symbolic_equal(pred: str, gold: str) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
+def _start_worker(modules: tuple) -> None:
+    """A verifier worker ignores the terminal's Ctrl-C (the trainer stops it at exit) and imports its scorers before
+    its first answer, so that importing them is not counted against an answer's time limit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not installed: each answer's own import fails and scores 0 (a worker must not die)
+            pass
+
+
 class _Pool:
-    """A lazily created process pool that can be killed and rebuilt after a timeout."""
+    """A lazily created process pool that can be killed and rebuilt after a timeout; its workers import `modules`."""
 
     def __init__(self, workers: int = 2):
-        self.workers, self.lock, self.pool = workers, threading.Lock(), None
+        self.workers, self.lock, self.pool, self.modules = workers, threading.Lock(), None, ()
 
-    def get(self) -> cf.ProcessPoolExecutor:
+    def get(self, modules: tuple = ()) -> cf.ProcessPoolExecutor:
+        """The pool, whose workers have imported `modules` (one that has not is replaced, its queued answers kept)."""
         with self.lock:
+            if self.pool is not None and not set(modules) <= set(self.modules):
+                self.pool.shutdown(wait=False)
+                self.pool = None
             if self.pool is None:
-                # forkserver: never fork a process holding torch's thread pools; workers ignore the terminal's Ctrl-C
+                self.modules = tuple(sorted(set(self.modules) | set(modules)))
+                # forkserver: never fork a process holding torch's thread pools
                 self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("forkserver"),
-                                                   initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+                                                   initializer=_start_worker, initargs=(self.modules,))
+                try:  # wait for a worker to be up: starting one is not an answer's time
+                    self.pool.submit(int).result(timeout=300)
+                except Exception:  # noqa: BLE001 - a pool that cannot start fails each answer (score 0) instead
+                    pass
             return self.pool
 
     def kill(self, pool: cf.ProcessPoolExecutor) -> None:
@@ -165,6 +230,39 @@ _POOL = _Pool()
 atexit.register(_POOL.close)
 
 
+def run_limited(fn, jobs: dict, timeout: float, modules: tuple = ()) -> dict:
+    """`fn(*args)` for every job {key: args} in the worker pool (workers that import `modules`): {key: result}, without
+    the jobs that raised or ran past `timeout` seconds of wall clock. A job that overruns has its worker killed; the
+    pool is rebuilt and the jobs still queued run again."""
+    results, pending = {}, dict(jobs)
+    while pending:
+        pool = _POOL.get(modules)
+        try:
+            futures = {k: pool.submit(fn, *args) for k, args in pending.items()}
+        except RuntimeError:  # the pool broke (a worker died): rebuild and retry
+            _POOL.kill(pool)
+            continue
+        hung = None
+        for k, fut in futures.items():
+            try:
+                results[k] = fut.result(timeout=timeout)
+            except cf.TimeoutError:
+                hung = k
+                break
+            except Exception:  # noqa: BLE001 - garbage in, no result out
+                pass
+            del pending[k]
+        if hung is None:
+            break
+        del pending[hung]  # no result; kill its worker and re-run the jobs still queued
+        for k, fut in futures.items():
+            if k in pending and fut.done() and fut.exception() is None:
+                results[k] = fut.result()
+                del pending[k]
+        _POOL.kill(pool)
+    return results
+
+
 def math_rewards(completions: list[str], answers: list[str], timeout: float = 5.0, task: str = "math") -> list[float]:
     """1.0 where the completion's final answer (`extract_answer(text, task)`) equals the gold answer (symbolically),
     else 0.0.
@@ -181,39 +279,30 @@ def math_rewards(completions: list[str], answers: list[str], timeout: float = 5.
             rewards[i] = 1.0
         else:
             pending[i] = (pred, str(gold))
-    if not pending:
-        return rewards
-    while pending:
-        pool = _POOL.get()
-        try:
-            futures = {i: pool.submit(_symbolic_equal, p, g) for i, (p, g) in pending.items()}
-        except RuntimeError:  # the pool broke (a worker died): rebuild and retry
-            _POOL.kill(pool)
-            continue
-        hung = None
-        for i, fut in futures.items():
-            try:
-                rewards[i] = float(fut.result(timeout=timeout))
-            except cf.TimeoutError:
-                hung = i
-                break
-            except Exception:  # noqa: BLE001 - garbage in, zero out
-                rewards[i] = 0.0
-            del pending[i]
-        if hung is None:
-            break
-        del pending[hung]  # it scores 0; kill its worker and re-run the answers still queued
-        for i, fut in futures.items():
-            if i in pending and fut.done() and fut.exception() is None:
-                rewards[i] = float(fut.result())
-                del pending[i]
-        _POOL.kill(pool)
+    for i, equal in run_limited(_symbolic_equal, pending, timeout, ("math_verify",)).items():
+        rewards[i] = float(equal)
+    return rewards
+
+
+def rg_rewards(completions: list[str], problems: list, timeout: float = 5.0) -> list[float]:
+    """reasoning-gym's own score (in [0, 1]; partial credit where the task gives it) of each completion's answer
+    (`extract_rg_answer`) for its problem's item (`Problem.entry`); 0 without an answer, for an error, or past
+    `timeout` seconds of wall clock."""
+    jobs = {}
+    for i, (text, p) in enumerate(zip(completions, problems)):
+        pred = extract_rg_answer(text or "")
+        if pred is not None and len(pred) <= 100_000:  # no reply is longer; 20,000 characters are a level-3 grid
+            jobs[i] = (pred, p.entry, p.level)
+    rewards = [0.0] * len(completions)
+    for i, r in run_limited(rg_score, jobs, timeout, ("reasoning_gym",)).items():
+        r = float(r) if isinstance(r, (int, float)) else 0.0
+        rewards[i] = min(max(r, 0.0), 1.0) if math.isfinite(r) else 0.0
     return rewards
 
 
 def format_reward(completion: str, task: str) -> float:
     """1.0 when the completion has the task's answer format (testbed: a bare integer; math: a `\\boxed{}`;
-    nl: it ends with "The answer is N.").
+    nl: it ends with "The answer is N."; rg: an `<answer>...</answer>`).
 
     >>> format_reward("7 + 5 = 12. The answer is 12.", "nl"), format_reward("The answer is 12. Hope it helps!", "nl")
     (1.0, 0.0)
@@ -222,12 +311,16 @@ def format_reward(completion: str, task: str) -> float:
         return float(bool(_TESTBED_FORMAT.match(completion.strip())))
     if task == "nl":
         return float(bool(_NL_FORMAT.search(completion)))
+    if task == "rg":
+        return float(bool(_ANSWER_TAGS.search(completion)))
     return float(last_boxed(completion) is not None)
 
 
 def score(completions: list[str], problems: list, truncated=None, timeout: float = 5.0) -> list[float]:
     """Correctness reward for each (completion, problem) pair, dispatched on `problem.task`; 0 where `truncated` (a
-    completion cut at --max-new-tokens, per row: a rollout's truncated_B) is true, whatever it says before the cut."""
+    completion cut at --max-new-tokens, per row: a rollout's truncated_B) is true, whatever it says before the cut.
+    In [0, 1]: 0 or 1, but for reasoning-gym tasks that give partial credit (docs/runs.md says what each trainer
+    makes of a score between)."""
     rewards = [0.0] * len(completions)
     if truncated is not None:
         keep = [i for i, t in enumerate(truncated) if not bool(t)]
@@ -237,8 +330,12 @@ def score(completions: list[str], problems: list, truncated=None, timeout: float
     for i, p in enumerate(problems):
         if p.task == "testbed":
             rewards[i] = testbed_reward(completions[i], p.answer)
-    rule = ["testbed" if p.task == "testbed" else "nl" if p.task == "nl" else "math" for p in problems]
-    for task in ("math", "nl"):  # math: every task but the testbed and nl
+    rg = [i for i, p in enumerate(problems) if p.task == "rg"]
+    for i, r in zip(rg, rg_rewards([completions[i] for i in rg], [problems[i] for i in rg], timeout) if rg else []):
+        rewards[i] = r
+    rule = ["testbed" if p.task == "testbed" else "nl" if p.task == "nl" else "rg" if p.task == "rg" else "math"
+            for p in problems]
+    for task in ("math", "nl"):  # math: every task but the testbed, nl and rg
         idx = [i for i, r in enumerate(rule) if r == task]
         if idx:
             for i, r in zip(idx, math_rewards([completions[i] for i in idx], [problems[i].answer for i in idx],

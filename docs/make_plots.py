@@ -71,12 +71,13 @@ SCALE = {"kl/coef": 0.1}
 # Benchmark comparisons, drawn from the run folders a benchmark script leaves (make_plots.py does not run them):
 # name: (the command that makes the runs, run folder pattern, {variant: label}, seeds, panels as above, one metric each)
 COMPARISONS = {
-    "rlpf_rewards": ("python benchmarks/rlpf_benchmark.py --steps 20", "runs/benchmarks/rlpf_{variant}_{seed}",
+    "rlpf_rewards": ("python -m benchmarks.testbed.rlpf_benchmark --steps 20", "runs/benchmarks/rlpf_{variant}_{seed}",
                      {"staged": "staged (RLPF)", "correctness": "correctness only (RLVR)",
                       "speed_ungated": "speed, ungated"}, [1, 2], [
         ("training programs: pass rate", "train/pass_rate", 5),
         ("training programs: share of correct ones >= 2x faster than the baseline", "train/fast_frac", 5)]),
-    "adakp_arms": ("python benchmarks/adakp_benchmark.py --output-dir runs/adakp_benchmark (60 steps of 8 x 8, level 4)",
+    "adakp_arms": ("python -m benchmarks.testbed.adakp_benchmark --output-dir runs/adakp_benchmark (60 steps of 8 x 8, "
+                   "level 4)",
                    "runs/adakp_benchmark/{variant}__{seed}__*",
                    {"adakp": "adakp", "static": "static", "random": "random", "all": "all KPs", "none": "no KPs"},
                    [1, 2], [

@@ -1,17 +1,18 @@
-"""The claim benchmarks' bookkeeping, without a model (benchmarks/claim_runs.py): a run kept as a record is read back,
-a finished run folder is recorded, an interrupted one resumes from its checkpoint, anything else starts afresh; and
-the OC-GRPO benchmark's sample-matched group size and verdict rule."""
+"""The claim benchmarks' bookkeeping, without a model (benchmarks/claims/claim_runs.py): a run kept as a record is read
+back, a finished run folder is recorded, an interrupted one resumes from its checkpoint, anything else starts afresh;
+and the OC-GRPO benchmark's sample-matched group size and verdict rule."""
 
 import dataclasses
 import json
 import os
+import re
 import types
 
 import pytest
 
 import oc_grpo
-from benchmarks import claim_runs
-from benchmarks import oc_grpo_smollm2 as bench
+from benchmarks.claims import claim_runs
+from benchmarks.claims import oc_grpo_smollm2 as bench
 
 
 def make_run(args, steps_logged: int, final_eval: bool, checkpoint: bool, **changed) -> str:
@@ -149,7 +150,7 @@ def test_verdict_needs_both_controls_beaten_beyond_the_noise_on_every_seed():
 
 
 def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seeds():
-    from benchmarks.adakp_smollm2 import verdict
+    from benchmarks.claims.adakp_smollm2 import verdict
 
     def after(a1, a2, s=(0.2, 0.2), z=(0.2, 0.2)):
         return {("adakp", 1): a1, ("adakp", 2): a2, ("static", 1): s[0], ("static", 2): s[1],
@@ -164,7 +165,7 @@ def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seed
 
 
 def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
-    from benchmarks.direct_opd_smollm2 import verdict
+    from benchmarks.claims.direct_opd_smollm2 import verdict
 
     def acc(direct, vanilla, control=(0.5, 0.5)):
         return {(arm, s): v for s in (1, 2) for arm, v in
@@ -178,7 +179,7 @@ def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
 
 
 def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics():
-    from benchmarks.mada_smollm2 import arm_lines as lines_of
+    from benchmarks.claims.mada_rl_smollm2 import arm_lines as lines_of
 
     def rec(debate, vote, untrained=0.3, generators=0.3):
         ev = lambda d, single=0.3: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
@@ -212,7 +213,7 @@ def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics()
 
 
 def test_mada_report_shows_each_generator_and_a_mute_one():
-    from benchmarks.mada_smollm2 import generator_lines
+    from benchmarks.claims.mada_rl_smollm2 import generator_lines
 
     def ev(debate, each):
         return {"mada/eval/debate_accuracy": debate, "mada/eval/single_accuracy": sum(each) / 3,
@@ -228,7 +229,7 @@ def test_mada_report_shows_each_generator_and_a_mute_one():
 
 
 def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
-    from benchmarks.ppo_slm_smollm2 import collapsed
+    from benchmarks.claims.ppo_slm_smollm2 import collapsed
 
     def rec(final, steps):
         return {"rows": [{"step": 0, "eval/greedy_accuracy": 0.6},
@@ -243,10 +244,10 @@ def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
 def test_ppo_collapse_verdict_waits_for_both_seeds_and_needs_the_off_arm_to_collapse_on_each():
     import copy
 
-    from benchmarks import ppo_slm_smollm2 as ppo_bench
+    from benchmarks.claims import ppo_slm_smollm2 as ppo_bench
 
-    records = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "runs",
-                           "ppo_slm_smollm2")
+    records = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "claims",
+                           "runs", "ppo_slm_smollm2")
     load = lambda name: json.load(open(os.path.join(records, f"{name}.json")))  # noqa: E731
     on = load("noisy_on_seed1")  # the envelope-on run of seed 1 (0.762 -> 0.775)
 
@@ -289,6 +290,57 @@ def test_a_report_from_the_records_never_runs(tmp_path):
     assert claim_runs.finished_run(fake_trainer(calls), args, str(tmp_path / "rec"), make=False)["rows"]
     assert calls == [""]  # once, by the call allowed to run
 
+
+
+def test_the_sec_claim_keeps_its_runs_as_records_and_reports_from_them_alone(tmp_path, monkeypatch):
+    # rloo_sec_smollm2 once kept its runs only in their folders, and lost them with an old checkout (issue 61)
+    import sys
+
+    import rloo_sec
+    from benchmarks.claims import rloo_sec_smollm2 as sec
+
+    records, levels = tmp_path / "rec", sec.LEVELS
+    records.mkdir()
+    for seed in (1, 2):  # the base model's start, measured before (the gate reads it)
+        start = {"eval/greedy_accuracy": 0.3, **{f"eval/greedy_accuracy/level_{k}": 0.3 for k in levels},
+                 "distinct": 10, "ground": claim_runs.GROUND,
+                 "settings": {"levels": list(levels), "n": 2, "seed": seed, "max_new_tokens": 48}}
+        (records / f"start_seed{seed}.json").write_text(json.dumps(start))
+
+    def trainer(a):  # leaves the run folder rloo_sec.main leaves: args.json, the metric rows, a checkpoint
+        calls.append(a.run_name)
+        run_dir = os.path.join(a.output_dir, a.run_name)
+        os.makedirs(os.path.join(run_dir, "checkpoint"))
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(json.loads(json.dumps(dataclasses.asdict(a))), f)
+        ev = lambda step, acc: {"step": step, "time": 1.0 + step, "eval/greedy_accuracy": acc,  # noqa: E731
+                                **{f"eval/greedy_accuracy/level_{k}": acc for k in levels}}
+        steps = [{"step": s, "time": 1.0 + s, "reward/mean": 0.5, "perf/step_time": 60.0, "adv/frac_zero_std": 0.5,
+                  "train/accuracy": 0.5, **{f"sec/level_frac/level_{k}": 0.2 for k in levels},
+                  **{f"sec/prob/arm_{k}": 0.2 for k in levels}} for s in (1, 2)]
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in [ev(0, 0.3), *steps, ev(2, 0.4 + a.seed / 10)])
+
+    def bench(*flags):
+        monkeypatch.setattr(sys, "argv", ["rloo_sec_smollm2", "--steps", "2", "--num-eval-problems", "2",
+                                          "--records", str(records), "--output-dir", str(tmp_path / "runs"),
+                                          "--out", str(tmp_path / "sec.md"), "--plot", str(tmp_path / "sec.png"),
+                                          *flags])
+        sec.main()
+        return (tmp_path / "sec.md").read_text()
+
+    calls = []
+    monkeypatch.setattr(rloo_sec, "main", trainer)
+    made = bench()
+    assert sorted(calls) == ["sec_seed1", "sec_seed2", "uniform_seed1", "uniform_seed2"]
+    assert sorted(p.name for p in records.iterdir() if not p.name.startswith("start")) == [
+        "sec_seed1.json", "sec_seed2.json", "uniform_seed1.json", "uniform_seed2.json"]
+    assert "| uniform | 2 | 0.300 -> 0.600 |" in made and "## Verdict: untestable here" in made
+    os.rename(tmp_path / "runs", tmp_path / "gone")  # a new session's checkout: no run folders
+    day = lambda text: re.sub(r"\d{4}-\d{2}-\d{2}", "<date>", text)  # noqa: E731 - a run past midnight
+    assert day(bench("--report-only")) == day(made) and len(calls) == 4  # the same report from the records alone
+    bench()
+    assert len(calls) == 4  # a rerun reads the records back
 
 # --- the gate before a claim run (claim_runs.Claim, gate) ----------------------------------------------------------
 @pytest.fixture(scope="module")

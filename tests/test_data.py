@@ -262,7 +262,7 @@ def test_testbed_nl_solutions_compute_the_answer_and_knowledge_points_teach_with
 
 
 def test_testbed_nl_prompts_ask_for_the_answer_line_in_every_trainer_renderer(smollm2_dir):
-    from benchmarks.claim_runs import added_text, states_answer
+    from benchmarks.claims.claim_runs import added_text, states_answer
     from common.models import load_tokenizer
     from common.testbed_nl import NL_INSTRUCTION
     from grounds import path_of

@@ -91,6 +91,35 @@ def test_the_other_group_trainers_step_adamw_on_a_step_without_signal_by_default
 
 
 # ----------------------------------------------------------------------------------------
+# 2. Direct-OPD's teachers: float32 weights computing under --dtype's autocast, as the reference (and the official
+# recipe's fp32 teachers under veRL's mixed precision)
+
+
+def test_under_bfloat16_the_teachers_are_float32_and_compute_exactly_as_the_student(tmp_path, tiny_model_dir,
+                                                                                   monkeypatch):
+    """--dtype bfloat16 with both teachers the student's own weights: they are stored in float32, as the policy's
+    master weights and the reference are, and compute as the student does, so vanilla OPD's reward log pi_post -
+    log pi_student is exactly 0 at step 1 (stored in bfloat16, they computed their norms and residual stream in
+    bfloat16: not 0)."""
+    import direct_opd
+
+    stored, real_shard = {}, direct_opd.dist.shard_models
+
+    def record(args, *models):
+        stored.update(zip(("student", "ref", "post", "pre"), ({p.dtype for p in m.parameters()} for m in models)))
+        return real_shard(args, *models)
+
+    monkeypatch.setattr(direct_opd.dist, "shard_models", record)
+    args = tyro.cli(direct_opd.Args, args=[*TINY, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir,
+                                           "--teacher-post", tiny_model_dir, "--reward", "vanilla_opd", "--dtype",
+                                           "bfloat16", "--total-steps", "1", "--output-dir", str(tmp_path)])
+    out = direct_opd.main(args)
+    assert stored == dict.fromkeys(("student", "ref", "post", "pre"), {torch.float32})
+    row = _rows(out["run_dir"])[1]
+    assert row["delta_opd/sampled_logratio"] == 0.0 and row["adv/mean_abs"] == 0.0, row
+
+
+# ----------------------------------------------------------------------------------------
 # 3. MADA: the critic reads x' = [x ; y^_1 ; ... ; y^_N] (the paper's order), and its prompt is never cut
 
 WORKED = "Add the tens: 40 + 30 = 70. Add the ones: 7 + 5 = 12. Then 70 + 12 = 82. The answer is 82."

@@ -367,6 +367,25 @@ if rank == 0:
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"initialized_at_exit": False}
 
 
+KEPT_PAST_EXIT = """
+import sys, types, torch
+from common.dist import shard_models
+from common.models import load_model
+(MODEL,) = shard_models(types.SimpleNamespace(fsdp=True, dtype="float32"), load_model(sys.argv[1]))
+MODEL(torch.tensor([[5, 6, 7, 8]])).logits.sum().backward()
+"""
+
+
+def test_a_sharded_model_alive_at_exit_still_frees_the_group(tiny_model_dir):
+    """A --fsdp model still referenced when the interpreter exits (here a global; in CI once, a decoder layer's FSDP
+    unit that outlived main()) holds the group through each unit's mesh info: the exit hook drops those handles too,
+    so gloo's threads end before teardown (before, this printed the "[dist] ... still running" line)."""
+    r = subprocess.run([sys.executable, "-c", KEPT_PAST_EXIT, tiny_model_dir], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_released_at_exit(r)
+
+
 def test_two_ranks_share_the_evaluation_and_sum_losses_and_statistics(tmp_path, weak_model_dir):
     """Under torchrun each rank evaluates half of the held-out problems (greedy and sampled) and both get the whole
     set's accuracy, equal to one process's greedy pass; loss/* metrics are the union batch's (each rank's share

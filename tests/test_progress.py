@@ -5,6 +5,7 @@ tests/test_testbed.py."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -17,7 +18,7 @@ from common.logger import step_bar
 from common.models import load_model, load_tokenizer
 from common.rollout import HFEngine
 from common.testbed import make_suite
-from conftest import ROOT
+from conftest import ROOT, assert_released_at_exit
 
 
 def test_an_evaluation_shows_a_bar_over_its_answers_and_clears_it(tiny_model_dir, capsys):
@@ -60,27 +61,31 @@ def test_the_sampler_counts_answers_as_they_end_so_an_evaluation_bar_moves_withi
 
 RANK_EVAL = """
 import json, sys
-import torch.distributed as dist
+from common.dist import init_distributed
 from common.evaluate import evaluate
 from common.models import load_model, load_tokenizer
 from common.rollout import HFEngine
 from common.testbed import make_suite
-rank, model_dir, store = int(sys.argv[1]), *sys.argv[2:4]
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-tok = load_tokenizer(model_dir)
-out = evaluate(HFEngine(load_model(model_dir), tok), tok, make_suite("test", levels=(1,), n_per_level=3), 2)
+init_distributed("cpu")  # as a trainer starts under torchrun (and frees the group at exit as it does)
+tok = load_tokenizer(sys.argv[1])
+out = evaluate(HFEngine(load_model(sys.argv[1]), tok), tok, make_suite("test", levels=(1,), n_per_level=3), 2)
 print(json.dumps(out))
-dist.destroy_process_group()
 """
 
 
-def test_under_torchrun_only_rank_0_shows_the_evaluation_bar(tiny_model_dir, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_EVAL, str(r), tiny_model_dir, str(tmp_path / "store")],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def test_under_torchrun_only_rank_0_shows_the_evaluation_bar(tiny_model_dir):
+    with socket.socket() as sock:  # a free port for the two ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_EVAL, tiny_model_dir], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in (0, 1)]
     (out0, err0), (out1, err1) = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), (err0[-2000:], err1[-2000:])
+    for p, err in zip(procs, (err0, err1)):
+        assert_released_at_exit(subprocess.CompletedProcess(p.args, p.returncode, "", err))
     assert "held-out evaluation, 3 problems (up to 2 new tokens an answer): 0/2 answers" in err0  # rank 0's share
     assert "held-out evaluation" not in err1
     assert json.loads(out0) == json.loads(out1) and json.loads(out0)["eval/num_problems"] == 3

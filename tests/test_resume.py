@@ -18,7 +18,8 @@ import direct_opd
 import grpo
 import oc_grpo
 import rloo_sec
-from common.checkpoint import KILL_AFTER_SAVE, write_manifest
+from common.checkpoint import KILL_AFTER_SAVE
+from common.manifest import write_manifest
 from common.data import load_problems
 from common.logger import read_metrics
 

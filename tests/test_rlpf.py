@@ -168,7 +168,7 @@ def test_an_equal_speed_candidate_earns_no_speed_credit(tmp_path):
     """The slow baseline's own program, as a candidate, against the baseline re-timed in the same rounds (and the
     noise floor calibrated in this process, never below --min-noise-floor 1.2): no FBR, no CGRE in any of 5
     scorings, whatever this machine's speed. Old timing gave about half of such scorings FBR (the 0.16 step); the
-    calibration alone let 1 to 3 in 100 through (benchmarks/rlpf_timing.md)."""
+    calibration alone let 1 to 3 in 100 through (benchmarks/premises/rlpf_timing.md)."""
     from code_env.tasks import TASKS
 
     slow = TASKS["sum_range"].slow

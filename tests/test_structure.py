@@ -21,8 +21,9 @@ from conftest import ROOT
 
 TRAINERS = ["grpo", "oc_grpo", "rloo_sec", "adakp", "mada_rl", "direct_opd", "rlpf", "ppo_slm"]
 LOCAL_TOP = {"common", "grounds", "code_env", *{f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}}
-COMMON_CHAR_BUDGET = 185_000
-"""characters of common/*.py (at the 2026-12 layout: 181,000 in 3,250 lines)"""
+COMMON_CHAR_BUDGET = 200_000
+"""characters of common/*.py: 181,000 in 3,250 lines at issue 57's layout; 197,400 in 3,530 with reasoning_gym.py and
+manifest.py (the line budget they were merged under was 3,600 lines, about 200,000 characters at common/'s density)"""
 MAX_IMPORTED_NAMES = 12
 
 

@@ -1,0 +1,1 @@
+"""Whether a ground holds the premises the trainers' claims need."""

@@ -1,0 +1,1 @@
+"""Speed and memory of the trainers, against TRL and the raw limits."""

@@ -1,0 +1,1 @@
+"""Each trainer's claim and its ablations on the embedded testbed."""
