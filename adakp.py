@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from common.args import TrainArgs, check_at_least, check_run_args, cli
+from common.args import TrainArgs, check_at_least, check_run_args
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = cli(Args)  # with --resume: the run's args.json for every flag not given
+    ARGS = Args.parse()  # tyro; with --resume, the run's args.json for every flag not given
 
 import numpy as np
 import torch

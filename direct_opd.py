@@ -75,7 +75,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from common.args import TrainArgs, check_run_args, cli, fail
+from common.args import TrainArgs, check_run_args, fail
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = cli(Args)  # with --resume: the run's args.json for every flag not given
+    ARGS = Args.parse()  # tyro; with --resume, the run's args.json for every flag not given
 
 import torch
 import torch.nn.functional as F

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from common.args import ExperimentArgs, check_at_least, check_sampling_args, cli
+from common.args import ExperimentArgs, check_at_least, check_sampling_args
 
 
 @dataclass
@@ -175,7 +175,7 @@ class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = cli(Args)  # with --resume: the run's args.json for every flag not given
+    ARGS = Args.parse()  # tyro (ppo_slm.py has no --resume)
 
 import numpy as np
 import torch

@@ -41,6 +41,11 @@ class ExperimentArgs:
     """under torchrun: how long a rank waits for the others in a collective before the job fails (NCCL's own default,
     10 minutes, is shorter than the stages rank 0 runs alone, e.g. ppo_slm.py's SFT and reward model)"""
 
+    @classmethod
+    def parse(cls, argv: list[str] | None = None):
+        """These flags from the command line: `cli` (with --resume, the run's args.json for every flag not given)."""
+        return cli(cls, argv)
+
 
 @dataclass
 class RunArgs(ExperimentArgs):
