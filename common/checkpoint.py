@@ -355,11 +355,17 @@ class CtrlC:
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
         signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        ref = weakref.ref(self)  # weak, and only while the loop runs: a main() called from Python returns, and a
+        # later SIGINT of that process is none of this run's business
 
         def watch():
-            while os.read(read_end, 1) != bytes([signal.SIGINT]):  # another signal with a Python handler: not ours
-                pass
-            self.on_sigint()
+            while True:
+                if os.read(read_end, 1) == bytes([signal.SIGINT]):  # another signal with a Python handler: not ours
+                    ctrl_c = ref()
+                    if ctrl_c is None:
+                        return
+                    if ctrl_c.step is not None:
+                        ctrl_c.on_sigint()
 
         threading.Thread(target=watch, name="second-ctrl-c", daemon=True).start()
 
@@ -374,6 +380,7 @@ class CtrlC:
         if bar is not None:
             bar.close()
         self.say(f"stopped after step {self.step} (checkpoint saved); {self.next_move()}")
+        self.step = None  # the loop is over
         raise SystemExit(130)
 
     def next_move(self) -> str:  # --no-save-optimizer: weights only, which --resume refuses; a new run loads them

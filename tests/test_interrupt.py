@@ -123,6 +123,35 @@ def test_a_second_ctrl_c_quits_at_once_even_inside_a_long_torch_call(tmp_path):
     assert waited < 20, waited  # the call itself runs for a minute or more
 
 
+AFTER_THE_RUN = """
+import gc, os, signal, sys, time
+from common.checkpoint import catch_ctrl_c
+signal.signal(signal.SIGINT, signal.default_int_handler)
+ctrl_c = catch_ctrl_c(sys.argv[1], 0, "grpo.py")
+ctrl_c.step = 1
+os.kill(os.getpid(), signal.SIGINT)  # a first Ctrl-C in the loop: the watcher of a second one starts
+time.sleep(0.2)
+del ctrl_c  # main() has returned: a SIGINT is no longer this run's
+gc.collect()
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1.0)
+except KeyboardInterrupt:
+    pass
+time.sleep(0.5)  # the watcher thread has read the signal by now
+print("still here")
+"""
+
+
+def test_the_watcher_of_a_second_ctrl_c_leaves_a_signal_after_the_loop_alone(tmp_path):
+    """A main() called from Python that was stopped by Ctrl-C returns to its caller: a later SIGINT of that process is
+    not a second Ctrl-C of the finished run (before, the watcher thread quit the whole process with status 130: it
+    killed the test suite)."""
+    r = subprocess.run([sys.executable, "-c", AFTER_THE_RUN, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout == "still here\n", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
 class Count:
     """Calls to `fn`, passed through to it."""
 
