@@ -40,6 +40,7 @@ from typing import Literal
 import tyro
 
 from common.args import TrainArgs, check_run_args
+from common.memory_plan import Holds, plan_memory
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
     ARGS = tyro.cli(Args)
+    plan_memory(ARGS, Holds(reference=ARGS.beta > 0))  # --plan-memory: what this run holds, per phase; then exit
 
 import torch
 
