@@ -238,3 +238,45 @@ def test_a_hub_id_reads_config_json_from_the_local_cache_only(tmp_path, monkeypa
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     shape = mp.read_shape("acme/tiny")
     assert (shape.hidden, shape.layers, shape.kv_heads, shape.tied, shape.qkv_bias) == (8, 2, 2, False, False)
+
+
+def weights_alive() -> int:
+    """Bytes of the distinct parameters and buffers of every transformers model alive now."""
+    import gc
+
+    from transformers import PreTrainedModel
+
+    seen = {}
+    for o in gc.get_objects():
+        if isinstance(o, PreTrainedModel):
+            for t in (*o.parameters(), *o.buffers()):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def assert_plan_counts_what_main_loads(monkeypatch, main, args, holds: mp.Holds) -> None:
+    """Run `main(args)` for no step; at its first generation (every model loaded, no optimizer state yet) the
+    weights alive must be the weights the plan counts (`holds`): a model loaded and not declared fails here."""
+    from common.rollout import HFEngine
+
+    alive, generate = [], HFEngine.generate
+
+    def snapshot(self, *a, **k):
+        alive.append(alive or weights_alive())
+        return generate(self, *a, **k)
+
+    monkeypatch.setattr(HFEngine, "generate", snapshot)
+    main(args)
+    shape, s = mp.read_shape(args.model_name), mp.Setup(dtype=args.dtype)
+    planned = mp.phases(shape, holds, s, [(mp.read_shape(f), 4) for f in holds.frozen])["generation"]
+    counted = sum(v for k, v in planned.items() if "weights" in k or k in ("reference model", "frozen models"))
+    assert alive[0] == pytest.approx(counted, rel=0.01), (alive[0], planned)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_grpo_plan_counts_the_models_grpo_loads(monkeypatch, tmp_path, tiny_model_dir, beta):
+    import grpo
+
+    args = grpo.Args(model_name=tiny_model_dir, total_steps=0, num_eval_problems=2, eval_samples=0, beta=beta,
+                     output_dir=str(tmp_path))
+    assert_plan_counts_what_main_loads(monkeypatch, grpo.main, args, mp.Holds(reference=args.beta > 0))
