@@ -115,6 +115,7 @@ class Setup:
     rows: int = 128  # rollouts a step
     group: int = 8  # completions per prompt
     micro_batch: int = 32
+    minibatch: int = 0  # rows per optimizer step (0: all the rows)
     prompt: int = 64
     completion: int = 8
     checkpointing: bool = False
@@ -329,7 +330,11 @@ def phases(m: Shape, holds: Holds, s: Setup, frozen: list[tuple[Shape, int]]) ->
     act, logits = micro_batch_bytes(m, s.micro_batch, s.prompt, s.completion, precision, s.checkpointing, lora,
                                     head_gradient=not s.fsdp)
     update = {**held, "gradients": stored * trained / n, "FSDP: gathered layers": gathered(lora is None)}
-    out["update: micro-batch"] = {**update, "activations": act, "logits": logits}
+    # one micro-batch per optimizer step: its backward starts with no gradient (zero_grad frees them) and frees
+    # activations as it allocates them; from the second micro-batch on, every gradient is there from the start
+    accumulating = s.micro_batch < (s.minibatch or s.rows)
+    out["update: micro-batch"] = {**update, "gradients": update["gradients"] * accumulating, "activations": act,
+                                  "logits": logits}
     step = stored * trained / n if on_gpu else 2 * 4 * largest  # foreach AdamW: one more state-sized list on a GPU
     out["update: optimizer step"] = {**update, "optimizer step temporaries": step,
                                      "all-reduce bucket": BUCKET_BYTES if s.ranks > 1 and not s.fsdp else 0}
@@ -430,6 +435,7 @@ def setup_of(args, holds: Holds, shape: Shape) -> tuple[Setup, str, str]:
     s = Setup(dtype=holds.dtype or g("dtype", "float32"), master_weights=g("master_weights", True),
               fsdp=g("fsdp", False), ranks=ranks, rows=holds.rows or g("num_prompts", 16) * group, group=group,
               micro_batch=holds.micro_batch or g("micro_batch_size", 32), prompt=prompt, completion=completion,
+              minibatch=(holds.rows or g("num_prompts", 16) * group) // g("num_minibatches", 1),
               checkpointing=g("gradient_checkpointing", False), backend=g("rollout_backend", "hf"),
               vllm_share=g("vllm_gpu_memory_utilization", 0.3), vllm_dtype=g("vllm_dtype", "auto"),
               device=g("device", "cpu"), device_bytes=found[0],

@@ -66,6 +66,8 @@ def test_held_state_per_rank_full_lora_and_fsdp():
     p = TINY.params
     assert (full["policy weights"], full["gradients"], full["AdamW state"], full["reference model"]) == (
         4 * p, 4 * p, 8 * p, 4 * p)
+    one = mp.phases(TINY, mp.Holds(), replace(s, micro_batch=4), [])  # one micro-batch per optimizer step
+    assert "gradients" not in one["update: micro-batch"] and one["update: optimizer step"]["gradients"] == 4 * p
     sharded = mp.phases(TINY, mp.Holds(reference=True), replace(s, fsdp=True, ranks=4), [])["update: micro-batch"]
     assert sharded["policy weights"] == p and sharded["AdamW state"] == 2 * p  # 1/4 each
     lora = mp.Lora(2, ("q_proj", "v_proj"), adapters=3)
