@@ -38,6 +38,13 @@ class ExperimentArgs:
     dist_timeout_minutes: float = 180.0
     """under torchrun: how long a rank waits for the others in a collective before the job fails (NCCL's own default,
     10 minutes, is shorter than the stages rank 0 runs alone, e.g. ppo_slm.py's SFT and reward model)"""
+    plan_memory: bool = False
+    """print the memory this run needs per rank and phase, from the model's config.json alone (no weights load),
+    whether it fits the device and which flag would make it fit, then exit (1: it does not fit; docs/memory.md)"""
+    device_memory_gb: float = 0.0
+    """--plan-memory: one device's memory in GB (1e9 bytes); 0: the GPU nvidia-smi finds, or the available RAM"""
+    plan_ranks: int = 0
+    """--plan-memory: the ranks to plan for (0: WORLD_SIZE under torchrun, else 1); --fsdp shards over them"""
 
 
 @dataclass
