@@ -149,7 +149,9 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = cli(Args)  # with --resume: the run's args.json for every flag not given
+    # with --resume: the run's args.json for every flag not given; --plan-memory: print what the run loads, exit
+    ARGS = cli(Args, holds=lambda a: dict(  # the built-in --teacher-post has --teacher-pre's shape
+        reference=True, frozen=(a.teacher_pre, a.teacher_post or a.teacher_pre)))
 
 import torch
 import torch.nn.functional as F

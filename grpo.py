@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from common import memory_plan
 from common.args import TrainArgs, check_run_args, cli
 
 
@@ -85,8 +84,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = cli(Args)  # with --resume: the run's args.json for every flag not given
-    memory_plan.plan(ARGS, memory_plan.Holds(reference=ARGS.beta > 0))  # --plan-memory: print what it holds, exit
+    # with --resume: the run's args.json for every flag not given; --plan-memory: print what the run loads, exit
+    ARGS = cli(Args, holds=lambda a: dict(reference=a.beta > 0))
 
 import torch
 

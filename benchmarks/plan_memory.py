@@ -246,11 +246,11 @@ def plan(r: dict) -> dict:
     """The plan's bytes at the measured step's shapes: between steps (held), and per phase."""
     shape = memory_plan.read_shape(r["model"])
     rows, prompt, completion = r["shape"]
-    lora = memory_plan.Lora(MADA_LORA["r"], MADA_LORA["targets"], MADA_LORA["adapters"]) if r["mode"] == "lora" \
-        else None
+    lora = dict(lora_r=MADA_LORA["r"], lora_targets=MADA_LORA["targets"], adapters=MADA_LORA["adapters"]) \
+        if r["mode"] == "lora" else {}
     s = memory_plan.Setup(rows=rows, group=GROUP, micro_batch=r["micro_batch"], prompt=prompt, completion=completion,
                           checkpointing=r["ckpt"])
-    table = memory_plan.phases(shape, memory_plan.Holds(lora=lora, reference=r["mode"] == "full"), s, [])
+    table = memory_plan.phases(shape, memory_plan.Holds(**lora, reference=r["mode"] == "full"), s, [])
     total = {k: sum(v.values()) for k, v in table.items()}
     return {"held": sum(v for k, v in table["generation"].items() if k != "KV cache and sampling"),
             "generate": total["generation"], "logprobs": total.get("log-prob passes"),

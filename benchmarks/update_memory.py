@@ -151,18 +151,18 @@ def measure(config: dict) -> dict:
 
 
 def predicted(c: dict) -> float | None:
-    """docs/fsdp.md's formula (common.memory_plan.update_peak_bytes) for the new code's peak above the state held
+    """docs/fsdp.md's formula (common.memory_plan.micro_batch_bytes) for the new code's peak above the state held
     between micro-batches, in bytes."""
     if c["code"] != "new":
         return None
-    from common.memory_plan import LOGPROB_CHUNK, Shape, update_peak_bytes
+    from common.memory_plan import LOGPROB_CHUNK, Shape, micro_batch_bytes
 
     if c["level"] == "logits":  # the gradient of the leaf (kept by the caller) and the blocks
         return (4 if c["dtype"] == "fp32" else 2) * c["rows"] * c["completion"] * V + 2 * LOGPROB_CHUNK * 4
     shape = Shape(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
                   intermediate=INTER, vocab=V, tied=True)
     precision = "float32" if c["dtype"] == "fp32" else "autocast"
-    return update_peak_bytes(shape, c["rows"], PROMPT, c["completion"], precision, c["ckpt"])
+    return sum(micro_batch_bytes(shape, c["rows"], PROMPT, c["completion"], precision, c["ckpt"]))
 
 
 def mb(x: float) -> str:

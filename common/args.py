@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from common import memory_plan
+
 
 @dataclass
 class ExperimentArgs:
@@ -178,7 +180,16 @@ EVAL_SET = ("seed", "dataset", "dataset_config", "eval_dataset", "eval_split", "
 """the flags that decide which problems the held-out evaluation asks (--seed: which testbed problems are held out)"""
 
 
-def cli(Args, argv: list[str] | None = None):
+def cli(Args, argv: list[str] | None = None, holds=None):
+    """A trainer's flags from its command line; `holds(args)`: what the run loads, the fields of
+    common.memory_plan.Holds, for --plan-memory, which prints the run's memory plan and exits here."""
+    args = parse_flags(Args, argv)
+    if getattr(args, "plan_memory", False):
+        memory_plan.plan(args, memory_plan.Holds(**holds(args)))
+    return args
+
+
+def parse_flags(Args, argv: list[str] | None = None):
     """A trainer's flags from its command line (tyro). With --resume <run folder>: every flag not given takes the value
     in that run's args.json, so the resumed steps run, and are evaluated, as the first ones were; a given flag that
     changes the evaluation set (EVAL_SET) is a one-line error unless --new-eval-set. main() called from Python takes

@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT
 
 from common import memory_plan as mp
+from common.args import cli
 
 TINY = mp.Shape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32, tied=True,
                 qkv_bias=True)
@@ -70,9 +71,9 @@ def test_held_state_per_rank_full_lora_and_fsdp():
     assert "gradients" not in one["update: micro-batch"] and one["update: optimizer step"]["gradients"] == 4 * p
     sharded = mp.phases(TINY, mp.Holds(reference=True), replace(s, fsdp=True, ranks=4), [])["update: micro-batch"]
     assert sharded["policy weights"] == p and sharded["AdamW state"] == 2 * p  # 1/4 each
-    lora = mp.Lora(2, ("q_proj", "v_proj"), adapters=3)
-    held = mp.phases(TINY, mp.Holds(lora=lora), replace(s, dtype="bfloat16"), [])["update: micro-batch"]
-    one = mp.lora_params(TINY, lora)
+    holds = mp.Holds(lora_r=2, lora_targets=("q_proj", "v_proj"), adapters=3)
+    held = mp.phases(TINY, holds, replace(s, dtype="bfloat16"), [])["update: micro-batch"]
+    one = mp.lora_params(TINY, holds.lora)
     assert held["policy weights (frozen base)"] == 2 * p  # the base in --dtype
     assert held[f"LoRA adapters (3 x {one:,})"] == 4 * 3 * one and held["AdamW state"] == 8 * one  # one trains
     assert held["gradients"] == 4 * one
@@ -211,13 +212,14 @@ def test_plan_memory_exits_with_the_fit_and_says_nothing_without_the_flag(tmp_pa
     from grpo import Args
 
     folder = qwen_1p5b_folder(tmp_path)
-    mp.plan(Args(model_name=folder), mp.Holds())  # no --plan-memory: returns, prints nothing
+    flags = ["--model-name", folder, "--max-prompt-tokens", "64", "--max-new-tokens", "64", "--micro-batch-size", "1",
+             "--num-eval-problems", "0"]
+    assert cli(Args, flags, holds=lambda a: {}).model_name == folder  # no --plan-memory: the flags, nothing printed
     assert capsys.readouterr().out == ""
-    for gb, status in ((80.0, 0), (4.0, 1)):
+    for gb, status in (("80", 0), ("4", 1)):
         with pytest.raises(SystemExit) as e:
-            mp.plan(Args(model_name=folder, plan_memory=True, device_memory_gb=gb, max_prompt_tokens=64,
-                                max_new_tokens=64, micro_batch_size=1, num_eval_problems=0), mp.Holds())
-        assert e.value.code == status
+            cli(Args, [*flags, "--plan-memory", "--device-memory-gb", gb], holds=lambda a: {})
+        assert e.value.code == status and "peak: " in capsys.readouterr().out
 
 
 def test_a_name_with_no_config_is_one_line(tmp_path):
@@ -241,43 +243,69 @@ def test_a_hub_id_reads_config_json_from_the_local_cache_only(tmp_path, monkeypa
     assert (shape.hidden, shape.layers, shape.kv_heads, shape.tied, shape.qkv_bias) == (8, 2, 2, False, False)
 
 
-def weights_alive() -> int:
-    """Bytes of the distinct parameters and buffers of every transformers model alive now."""
+def weights_alive() -> dict:
+    """{storage: bytes} of the parameters and buffers of every torch module alive now."""
     import gc
 
-    from transformers import PreTrainedModel
-
-    seen = {}
-    for o in gc.get_objects():
-        if isinstance(o, PreTrainedModel):
-            for t in (*o.parameters(), *o.buffers()):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    gc.collect()
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for o in gc.get_objects()
+            if isinstance(o, torch.nn.Module) for t in (*o.parameters(), *o.buffers())}
 
 
-def assert_plan_counts_what_main_loads(monkeypatch, main, args, holds: mp.Holds) -> None:
-    """Run `main(args)` for no step; at its first generation (every model loaded, no optimizer state yet) the
-    weights alive must be the weights the plan counts (`holds`): a model loaded and not declared fails here."""
-    from common.rollout import HFEngine
-
-    alive, generate = [], HFEngine.generate
-
-    def snapshot(self, *a, **k):
-        alive.append(alive or weights_alive())
-        return generate(self, *a, **k)
-
-    monkeypatch.setattr(HFEngine, "generate", snapshot)
-    main(args)
-    shape, s = mp.read_shape(args.model_name), mp.Setup(dtype=args.dtype)
-    planned = mp.phases(shape, holds, s, [(mp.read_shape(f), 4) for f in holds.frozen])["generation"]
-    counted = sum(v for k, v in planned.items() if "weights" in k or k in ("reference model", "frozen models"))
-    assert alive[0] == pytest.approx(counted, rel=0.01), (alive[0], planned)
+class Loaded(Exception):
+    """Raised at a trainer's dist.shard_models call: every model it trains with is loaded, nothing sharded yet."""
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.1])
-def test_grpo_plan_counts_the_models_grpo_loads(monkeypatch, tmp_path, tiny_model_dir, beta):
-    import grpo
+def declared_holds(trainer: str, argv: list[str]):
+    """The trainer's module, its args at `argv` and the Holds its own statement `cli(Args, holds=...)` declares (read
+    from its file: running the file would train when the statement is missing)."""
+    import ast
+    import importlib
 
-    args = grpo.Args(model_name=tiny_model_dir, total_steps=0, num_eval_problems=2, eval_samples=0, beta=beta,
-                     output_dir=str(tmp_path))
-    assert_plan_counts_what_main_loads(monkeypatch, grpo.main, args, mp.Holds(reference=args.beta > 0))
+    module = importlib.import_module(trainer)
+    calls = [k.value for c in ast.walk(ast.parse(open(module.__file__).read())) if isinstance(c, ast.Call)
+             and ast.unparse(c.func) == "cli" for k in c.keywords if k.arg == "holds"]
+    assert len(calls) == 1, f"{trainer}.py does not declare what it loads: cli(Args, holds=...) once"
+    args = cli(module.Args, argv)
+    return module, args, mp.Holds(**eval(ast.unparse(calls[0]))(args))
+
+
+TINY_RUNS = {  # flags of a cheap run on the tiny model (each stops once its models are loaded)
+    "grpo": ["--beta", "0.1"], "oc_grpo": [], "rloo_sec": ["--beta", "0.1"], "adakp": ["--beta", "0.1"],
+    "mada_rl": ["--num-generators", "2", "--num-critics", "1", "--lora-r", "2"],
+    "mada_rl bfloat16": ["--num-generators", "2", "--num-critics", "1", "--dtype", "bfloat16"],
+    "direct_opd": ["--teacher-pre", "{tiny}", "--teacher-post", "{tiny}"],
+    "direct_opd bfloat16": ["--teacher-pre", "{tiny}", "--teacher-post", "{tiny}", "--dtype", "bfloat16"],
+    "rlpf": ["--beta", "0.1", "--tasks", "sum_range", "--timing-repeats", "1", "--calibration-scorings", "1"],
+    "ppo_slm": ["--num-train-examples", "64", "--num-eval-pairs", "16", "--num-eval-prompts", "16", "--num-prompts",
+                "8", "--minibatch-size", "4", "--max-new-tokens", "4", "--sft-steps", "1", "--sft-batch-size", "8",
+                "--rm-steps", "1", "--rm-batch-size", "8"],
+}
+
+
+@pytest.mark.parametrize("run", list(TINY_RUNS))
+def test_each_trainers_plan_counts_the_models_it_loads(monkeypatch, tmp_path, tiny_model_dir, run):
+    """A trainer's declared Holds (its own statement, at its flags) against the parameters and buffers its main()
+    has loaded when it shards its models (dist.shard_models, where every trainer hands over all it trains with): a
+    model loaded and not declared, or declared and not loaded, fails here."""
+    from common import dist
+
+    argv = ["--model-name", tiny_model_dir, "--output-dir", str(tmp_path),
+            *(a.format(tiny=tiny_model_dir) for a in TINY_RUNS[run])]
+    trainer = run.split()[0]
+    module, args, holds = declared_holds(trainer, argv)
+    before, loaded = weights_alive(), {}
+
+    def count_and_stop(args, *models):
+        loaded.update({k: v for k, v in weights_alive().items() if k not in before})
+        raise Loaded
+
+    monkeypatch.setattr(dist, "shard_models", count_and_stop)
+    with pytest.raises(Loaded):
+        module.main(args)
+    shape = mp.read_shape(tiny_model_dir)
+    s, _, _ = mp.setup_of(args, holds, shape)
+    planned = mp.phases(shape, holds, s, mp.frozen_shapes(holds, s.dtype))["generation"]
+    counted = sum(v for k, v in planned.items()
+                  if k.startswith(("policy weights", "LoRA adapters", "reference model", "frozen models", "value head")))
+    assert sum(loaded.values()) == pytest.approx(counted, rel=0.01), (trainer, sum(loaded.values()), planned)
