@@ -395,7 +395,7 @@ def setup_of(args, holds: Holds, shape: Shape) -> tuple[Setup, str, str]:
     if not prompt:
         prompt = min(DEFAULT_PROMPT_BUDGET, max(shape.max_positions - completion, 1) if shape.max_positions
                      else DEFAULT_PROMPT_BUDGET)
-        note = "assumed: set --max-prompt-tokens to plan for yours"
+        note = "assumed" + ": set --max-prompt-tokens to plan for yours" * hasattr(args, "max_prompt_tokens")
     rows, micro = holds.rows or g("num_prompts", 16) * group, holds.micro_batch or g("micro_batch_size", 32)
     minibatches = g("num_minibatches", 1)  # 0: ppo_slm.py's, derived later: one micro-batch a mini-batch
     known = g("device_memory_gb", 0.0) * 1e9

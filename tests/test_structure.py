@@ -21,8 +21,10 @@ from conftest import ROOT
 
 TRAINERS = ["grpo", "oc_grpo", "rloo_sec", "adakp", "mada_rl", "direct_opd", "rlpf", "ppo_slm"]
 LOCAL_TOP = {"common", "grounds", "code_env", *{f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}}
-COMMON_CHAR_BUDGET = 185_000
-"""characters of common/*.py (at the 2026-12 layout: 181,000 in 3,250 lines)"""
+COMMON_CHAR_BUDGET = 215_000
+"""characters of common/*.py (at the 2026-12 layout: 181,000 in 3,250 lines; issue 58's fixes brought 186,000;
+memory_plan.py, issue 64's --plan-memory for every trainer, 27,000 more: the formulas, phases and suggestions are
+one rule written once for eight trainers, and must import no torch, so they cannot lean on the rest of common/)"""
 MAX_IMPORTED_NAMES = 12
 
 
