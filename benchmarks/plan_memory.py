@@ -177,10 +177,10 @@ def lora_step(c: dict, meter: Meter) -> None:
     import torch
 
     from common.data import encode_prompts, load_problems, render_prompt
-    from common.models import adapter_params, add_lora, enable_gradient_checkpointing, load_model, load_tokenizer, \
-        use_adapter
+    from common.models import add_lora, enable_gradient_checkpointing, load_model, load_tokenizer
     from common.rollout import HFEngine, completion_logprobs
     from grounds import path_of
+    from mada_rl_agents import adapter_params, use_adapter
 
     spec, path = MODELS[c["model"]], path_of(c["model"])
     tokenizer = load_tokenizer(path)
