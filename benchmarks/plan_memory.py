@@ -94,6 +94,7 @@ class Meter:
 
     def __init__(self):
         self.base, self.updates, self.peaks, self.shape, self.held, self.split = None, 0, {}, None, None, None
+        self.files = {}  # file-backed resident pages (code) above the baseline's at the end of each measured phase
 
     def set_base(self) -> None:
         """The baseline: the resident size now, all settled (and its anonymous and file-backed parts)."""
@@ -110,6 +111,7 @@ class Meter:
         yield
         if measured:
             self.peaks[name] = status("VmHWM") - self.base
+            self.files[name] = status("RssFile") - self.base_split["RssFile"]
         self.updates += name == "update"
 
 
@@ -225,7 +227,7 @@ def worker(c: dict, out_path: str) -> None:
         full_step(c, meter, tmp) if c["mode"] == "full" else lora_step(c, meter)
     with open(out_path, "w") as f:
         json.dump({**c, "base": meter.base, "loaded": getattr(meter, "loaded", None), "held": meter.held,
-                   "held_split": meter.split, "peaks": meter.peaks, "shape": meter.shape,
+                   "held_split": meter.split, "peaks": meter.peaks, "peak_files": meter.files, "shape": meter.shape,
                    "seconds": time.perf_counter() - start}, f)
 
 
@@ -264,10 +266,11 @@ def mb(x: float) -> str:
 
 def table(results: list) -> list[str]:
     lines = ["| model | training | micro-batch | checkpointing | rows x (prompt + completion) | phase | measured MB | "
-             "plan MB | measured / plan | plan's activations + logits MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "plan MB | measured / plan | of which file-backed MB | the rest / plan | plan's activations + logits MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p, measured = plan(r), {**r["peaks"], "held": r["held"]}
+        files = {**r.get("peak_files", {}), "held": (r.get("held_split") or {}).get("RssFile")}
         rows, prompt, completion = r["shape"]
         for phase in ("held", "generate", "logprobs", "update"):
             if phase not in measured or not p[phase]:
@@ -275,7 +278,9 @@ def table(results: list) -> list[str]:
             extra = (f"{mb(p['parts']['activations'])} + {mb(p['parts']['logits'])}" if phase == "update" else "")
             lines.append(f"| {r['model']} | {r['mode']} | {r['micro_batch']} | {'on' if r['ckpt'] else 'off'} | "
                          f"{rows} x ({prompt} + {completion}) | {phase} | {mb(measured[phase])} | {mb(p[phase])} | "
-                         f"{measured[phase] / p[phase]:.3f} | {extra} |")
+                         f"{measured[phase] / p[phase]:.3f} | " + (f"{mb(files[phase])} | "
+                         f"{(measured[phase] - files[phase]) / p[phase]:.3f}" if files.get(phase) is not None
+                         else " | ") + f" | {extra} |")
     return lines
 
 
@@ -291,6 +296,17 @@ def overhead(results: list) -> str:
             f" (file-backed pages {min(files):.1f} to {max(files):.1f} MB, anonymous beyond the plan's tensors "
             f"{min(anon):.1f} to {max(anon):.1f} MB)" if anon else ""))
     return "; ".join(out)
+
+
+def ratios(results: list, model: str, files: bool) -> str:
+    """The range of measured / plan over every phase of `model`'s rows (files: less the file-backed pages first)."""
+    out = []
+    for r in (r for r in results if r["model"] == model):
+        p, measured = plan(r), {**r["peaks"], "held": r["held"]}
+        paged = {**r.get("peak_files", {}), "held": (r.get("held_split") or {}).get("RssFile")}
+        out += [(measured[k] - (paged.get(k) or 0) * files) / p[k] for k in measured if p.get(k)
+                if not files or paged.get(k) is not None]
+    return f"{min(out):.2f} to {max(out):.2f}" if out else "not measured"
 
 
 def ckpt_gap(results: list) -> str:
@@ -310,13 +326,21 @@ def write(results: list, command: str, minutes: float) -> None:
              "micro-batch moment and the optimizer step's). full = grpo.py's main() with --beta "
              f"{BETA} (a reference model and an update at every step); lora = mada_rl.py's adapters (rank "
              f"{MADA_LORA['r']} on every linear map, {MADA_LORA['adapters']} held, one trained) on a float32 base, "
-             f"stepped by this script. {PROMPTS} prompts x {GROUP} samples a step.", "", *table(results), "",
+             f"stepped by this script. {PROMPTS} prompts x {GROUP} samples a step. Of which file-backed: the "
+             "resident pages of files (the code of torch and the other libraries) above the baseline's at the end "
+             "of the phase (held: between the steps); the rest / plan: the measured peak less those pages, over "
+             "the plan (an estimate: the pages at the phase's end, not at its peak).", "", *table(results), "",
              "Where they differ:", "",
-             "- A constant: between steps the process holds more than the plan's tensors, whatever the model: "
-             f"{overhead(results)}. The file-backed part is torch's kernel code paged in by the measured run "
-             "(the warm-up's tiny model does not run every kernel a step does), the anonymous part interpreter "
-             "objects and the allocator's small blocks. It is most of the testbed rows' difference (the whole "
-             "state of testbed-weak is 17 MB) and under 1.5 % of SmolLM2's.",
+             "- A constant, most of it code: between steps the process holds more than the plan's tensors, "
+             f"whatever the model: {overhead(results)}. The file-backed part is the code of torch and the "
+             "libraries (peft's for LoRA) that the measured run pages in after the baseline (the warm-up's tiny "
+             "model does not run every kernel a step does). testbed-weak's whole state is 17 MB (7 MB with LoRA), "
+             f"so these few MB make its rows {ratios(results, 'testbed-weak', False)} times the plan; less the "
+             f"file-backed pages they are {ratios(results, 'testbed-weak', True)}. What remains, up to 3 to 4 MB "
+             "in the updates, is not traced here (interpreter objects, autograd's graph or the allocator's small "
+             "blocks would be such a constant); a few MB is 1 to 3 % of SmolLM2's rows, which are "
+             f"{ratios(results, 'smollm2-135m-instruct', False)} times the plan "
+             f"({ratios(results, 'smollm2-135m-instruct', True)} less the file-backed pages).",
              "- SmolLM2, full, micro-batch 4, checkpointing on: the peak is at the end of the backward, where the "
              "input embedding's gradient is computed (tied: the whole 49,152 x 576 matrix; on the CPU "
              "`embedding_dense_backward` held two float32 copies, +226 MB in a per-layer trace of the resident "
