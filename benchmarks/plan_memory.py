@@ -49,6 +49,20 @@ def status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
+def code_pages() -> int:
+    """Resident file-backed bytes other than mapped weights: RssFile less the resident part of every mapping of a
+    .safetensors file (a frozen float32 base stays mapped from its file; weights that train are copied)."""
+    mapped, path = 0, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and not head[0].endswith(":"):
+                path = head[-1] if len(head) >= 6 else ""
+            elif head and head[0] == "Rss:" and path.endswith(".safetensors"):
+                mapped += int(head[1]) * 1024
+    return status("RssFile") - mapped
+
+
 def settle_and_reset_peak() -> int:
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -94,12 +108,13 @@ class Meter:
 
     def __init__(self):
         self.base, self.updates, self.peaks, self.shape, self.held, self.split = None, 0, {}, None, None, None
-        self.files = {}  # file-backed resident pages (code) above the baseline's at the end of each measured phase
+        self.code = {}  # file-backed pages other than mapped weights above the baseline's, at each phase's end
 
     def set_base(self) -> None:
         """The baseline: the resident size now, all settled (and its anonymous and file-backed parts)."""
         self.base = settle_and_reset_peak()
         self.base_split = {k: status(k) for k in ("RssAnon", "RssFile")}
+        self.base_code = code_pages()
 
     @contextmanager
     def phase(self, name: str):
@@ -108,10 +123,11 @@ class Meter:
             rss = settle_and_reset_peak() - self.base
             if name == "generate":  # between steps: weights and AdamW state; anonymous and file-backed (code) pages
                 self.held, self.split = rss, {k: status(k) - self.base_split[k] for k in ("RssAnon", "RssFile")}
+                self.code["held"] = code_pages() - self.base_code
         yield
         if measured:
             self.peaks[name] = status("VmHWM") - self.base
-            self.files[name] = status("RssFile") - self.base_split["RssFile"]
+            self.code[name] = code_pages() - self.base_code
         self.updates += name == "update"
 
 
@@ -227,14 +243,15 @@ def worker(c: dict, out_path: str) -> None:
         full_step(c, meter, tmp) if c["mode"] == "full" else lora_step(c, meter)
     with open(out_path, "w") as f:
         json.dump({**c, "base": meter.base, "loaded": getattr(meter, "loaded", None), "held": meter.held,
-                   "held_split": meter.split, "peaks": meter.peaks, "peak_files": meter.files, "shape": meter.shape,
+                   "held_split": meter.split, "peaks": meter.peaks, "code": meter.code, "shape": meter.shape,
                    "seconds": time.perf_counter() - start}, f)
 
 
 def measure(c: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        r = subprocess.run(["nice", "-n", "5", sys.executable, "-m", "benchmarks.plan_memory", "--worker", json.dumps(c), out],
+        worker_command = [sys.executable, "-m", "benchmarks.plan_memory", "--worker", json.dumps(c), out]
+        r = subprocess.run(["nice", "-n", "5", *worker_command],
                            capture_output=True, text=True, cwd=ROOT,
                            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16), "OMP_NUM_THREADS": "1",
                                 "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"})
@@ -266,11 +283,11 @@ def mb(x: float) -> str:
 
 def table(results: list) -> list[str]:
     lines = ["| model | training | micro-batch | checkpointing | rows x (prompt + completion) | phase | measured MB | "
-             "plan MB | measured / plan | of which file-backed MB | the rest / plan | plan's activations + logits MB |",
+             "plan MB | measured / plan | of which code pages MB | the rest / plan | plan's activations + logits MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p, measured = plan(r), {**r["peaks"], "held": r["held"]}
-        files = {**r.get("peak_files", {}), "held": (r.get("held_split") or {}).get("RssFile")}
+        files = r.get("code", {})
         rows, prompt, completion = r["shape"]
         for phase in ("held", "generate", "logprobs", "update"):
             if phase not in measured or not p[phase]:
@@ -285,25 +302,27 @@ def table(results: list) -> list[str]:
 
 
 def overhead(results: list) -> str:
-    """What the resident size holds between steps beyond the plan's weights and AdamW state, per model."""
+    """Between the steps, per model and training mode: the plan's held bytes beside the measured resident size, split
+    into anonymous memory, weights mapped from their .safetensors file and other file-backed pages (code)."""
     out = []
-    for model in dict.fromkeys(r["model"] for r in results):
-        rs = [r for r in results if r["model"] == model]
-        extra = [(r["held"] - plan(r)["held"]) / 1e6 for r in rs]
-        anon = [(r["held_split"]["RssAnon"] - plan(r)["held"]) / 1e6 for r in rs if r.get("held_split")]
-        files = [r["held_split"]["RssFile"] / 1e6 for r in rs if r.get("held_split")]
-        out.append(f"{model} {min(extra):.1f} to {max(extra):.1f} MB" + (
-            f" (file-backed pages {min(files):.1f} to {max(files):.1f} MB, anonymous beyond the plan's tensors "
-            f"{min(anon):.1f} to {max(anon):.1f} MB)" if anon else ""))
+    for model, mode in dict.fromkeys((r["model"], r["mode"]) for r in results):
+        rs = [r for r in results if (r["model"], r["mode"]) == (model, mode) and "held" in r.get("code", {})]
+        if not rs:
+            continue
+        parts = [(plan(r)["held"], r["held"], r["held_split"]["RssAnon"],
+                  r["held_split"]["RssFile"] - r["code"]["held"], r["code"]["held"]) for r in rs]
+        span = lambda k: f"{min(p[k] for p in parts) / 1e6:,.1f} to {max(p[k] for p in parts) / 1e6:,.1f}"  # noqa: E731
+        out.append(f"{model} {mode}: plan {span(0)} MB, measured {span(1)} = anonymous {span(2)} + weights mapped "
+                   f"from the file {span(3)} + other file pages {span(4)}")
     return "; ".join(out)
 
 
 def ratios(results: list, model: str, files: bool) -> str:
-    """The range of measured / plan over every phase of `model`'s rows (files: less the file-backed pages first)."""
+    """The range of measured / plan over every phase of `model`'s rows (files: less the code pages first)."""
     out = []
     for r in (r for r in results if r["model"] == model):
         p, measured = plan(r), {**r["peaks"], "held": r["held"]}
-        paged = {**r.get("peak_files", {}), "held": (r.get("held_split") or {}).get("RssFile")}
+        paged = r.get("code", {})
         out += [(measured[k] - (paged.get(k) or 0) * files) / p[k] for k in measured if p.get(k)
                 if not files or paged.get(k) is not None]
     return f"{min(out):.2f} to {max(out):.2f}" if out else "not measured"
@@ -326,21 +345,22 @@ def write(results: list, command: str, minutes: float) -> None:
              "micro-batch moment and the optimizer step's). full = grpo.py's main() with --beta "
              f"{BETA} (a reference model and an update at every step); lora = mada_rl.py's adapters (rank "
              f"{MADA_LORA['r']} on every linear map, {MADA_LORA['adapters']} held, one trained) on a float32 base, "
-             f"stepped by this script. {PROMPTS} prompts x {GROUP} samples a step. Of which file-backed: the "
-             "resident pages of files (the code of torch and the other libraries) above the baseline's at the end "
-             "of the phase (held: between the steps); the rest / plan: the measured peak less those pages, over "
-             "the plan (an estimate: the pages at the phase's end, not at its peak).", "", *table(results), "",
+             f"stepped by this script. {PROMPTS} prompts x {GROUP} samples a step. Code pages: the resident "
+             "file-backed pages other than weights mapped from a .safetensors file, above the baseline's, at the "
+             "phase's end (held: between the steps); the rest / plan: the measured peak less them, over the plan "
+             "(an estimate: the pages at the phase's end, not at its peak).", "", *table(results), "",
              "Where they differ:", "",
-             "- A constant, most of it code: between steps the process holds more than the plan's tensors, "
-             f"whatever the model: {overhead(results)}. The file-backed part is the code of torch and the "
-             "libraries (peft's for LoRA) that the measured run pages in after the baseline (the warm-up's tiny "
-             "model does not run every kernel a step does). testbed-weak's whole state is 17 MB (7 MB with LoRA), "
-             f"so these few MB make its rows {ratios(results, 'testbed-weak', False)} times the plan; less the "
-             f"file-backed pages they are {ratios(results, 'testbed-weak', True)}. What remains, up to 3 to 4 MB "
-             "in the updates, is not traced here (interpreter objects, autograd's graph or the allocator's small "
-             "blocks would be such a constant); a few MB is 1 to 3 % of SmolLM2's rows, which are "
-             f"{ratios(results, 'smollm2-135m-instruct', False)} times the plan "
-             f"({ratios(results, 'smollm2-135m-instruct', True)} less the file-backed pages).",
+             f"- Between the steps (MB): {overhead(results)}. A frozen float32 base stays mapped from its "
+             ".safetensors file (LoRA), and the plan's base weights are those pages; after a full fine-tuning's "
+             "load the file's mapping can stay resident beside the trained copy, which the plan does not count "
+             "(testbed-weak's 4.3 MB file; not SmolLM2's). Other file pages are code paged in after the baseline "
+             "(the warm-up's tiny model does not run every kernel), less pages the kernel evicted (negative). "
+             "testbed-weak's whole state is 17 MB (7 MB with LoRA), so its rows are "
+             f"{ratios(results, 'testbed-weak', False)} times the plan ({ratios(results, 'testbed-weak', True)} "
+             "less the code pages): a mapped file, a few MB of code and 3 to 4 MB of anonymous memory beyond the "
+             "plan's tensors, not traced here (interpreter objects, autograd's graph or the allocator's small "
+             "blocks would be such a constant), which are 1 to 3 % of SmolLM2's rows: "
+             f"{ratios(results, 'smollm2-135m-instruct', False)} times the plan.",
              "- SmolLM2, full, micro-batch 4, checkpointing on: the peak is at the end of the backward, where the "
              "input embedding's gradient is computed (tied: the whole 49,152 x 576 matrix; on the CPU "
              "`embedding_dense_backward` held two float32 copies, +226 MB in a per-layer trace of the resident "
@@ -361,7 +381,8 @@ def main(models: list[str], modes: list[str], micro_batches: list[int], results_
     if results_file:  # the table again from a run's printed results (the plan recomputed, nothing measured)
         with open(results_file) as f:
             runs = [json.loads(line) for line in f if line.startswith("{")]
-        return write(runs, f"python -m benchmarks.plan_memory {' '.join(sys.argv[1:])}", 0)
+        minutes = sum(r["seconds"] for r in runs) / 60  # the configurations' own time
+        return write(runs, f"python -m benchmarks.plan_memory {' '.join(sys.argv[1:])}", minutes)
     configs = [dict(model=m, mode=mode, micro_batch=b, ckpt=ck) for m in models for mode in modes
                for b in micro_batches for ck in (False, True)]
     start, results = time.perf_counter(), []
