@@ -149,7 +149,10 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = Args.parse()  # tyro; with --resume, the run's args.json for every flag not given
+    # with --resume: the run's args.json for every flag not given; --plan-memory: print what the run loads, exit
+    ARGS = Args.parse(holds=lambda a: dict(  # the built-in --teacher-post has --teacher-pre's shape; the teachers
+        reference=True, frozen=tuple((t, "float32" if a.master_weights else a.dtype)  # are stored as the reference
+                                     for t in (a.teacher_pre, a.teacher_post or a.teacher_pre))))
 
 import torch
 import torch.nn.functional as F

@@ -125,7 +125,9 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = Args.parse()  # tyro; with --resume, the run's args.json for every flag not given
+    # with --resume: the run's args.json for every flag not given; --plan-memory: print what the run loads, exit
+    ARGS = Args.parse(holds=lambda a: dict(lora_r=a.lora_r, lora_targets=a.lora_target_modules,
+                                           adapters=a.num_generators + a.num_critics))  # on one frozen base
 
 import numpy as np
 import torch

@@ -175,7 +175,11 @@ class Args(ExperimentArgs):  # common/args.py: run folder, logging, device
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = Args.parse()  # tyro (ppo_slm.py has no --resume)
+    # tyro; --plan-memory: print what PPO loads (the SFT and reward model stages load less), exit
+    ARGS = Args.parse(holds=lambda a: dict(
+        lora_r=a.lora_r if a.policy_init == "merge_reinit" else a.sft_lora_r, lora_targets=a.lora_target_modules,
+        reference=True, value_head=True, frozen=((a.reward_model or a.model_name, "float32"),),
+        dtype=a.ppo_dtype, rows=a.num_prompts, micro_batch=a.minibatch_size))
 
 import numpy as np
 import torch

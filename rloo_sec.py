@@ -119,7 +119,8 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
 
 
 if __name__ == "__main__":  # the flags parse, and --help answers, before torch loads (a fraction of a second)
-    ARGS = Args.parse()  # tyro; with --resume, the run's args.json for every flag not given
+    # with --resume: the run's args.json for every flag not given; --plan-memory: print what the run loads, exit
+    ARGS = Args.parse(holds=lambda a: dict(reference=a.beta > 0))
 
 import torch
 

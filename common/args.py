@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from common import memory_plan
 from common.reasoning_gym import check_spec, is_rg
 
 
@@ -40,11 +41,19 @@ class ExperimentArgs:
     dist_timeout_minutes: float = 180.0
     """under torchrun: how long a rank waits for the others in a collective before the job fails (NCCL's own default,
     10 minutes, is shorter than the stages rank 0 runs alone, e.g. ppo_slm.py's SFT and reward model)"""
+    plan_memory: bool = False
+    """print the memory this run needs per rank and phase, from the model's config.json alone (no weights load),
+    whether it fits the device and which flag would make it fit, then exit (1: it does not fit; docs/memory.md)"""
+    device_memory_gb: float = 0.0
+    """--plan-memory: one device's memory in GB (1e9 bytes); 0: the GPU nvidia-smi finds, or the available RAM"""
+    plan_ranks: int = 0
+    """--plan-memory: the ranks to plan for (0: WORLD_SIZE under torchrun, else 1); --fsdp shards over them"""
 
     @classmethod
-    def parse(cls, argv: list[str] | None = None):
-        """These flags from the command line: `cli` (with --resume, the run's args.json for every flag not given)."""
-        return cli(cls, argv)
+    def parse(cls, argv: list[str] | None = None, holds=None):
+        """These flags from the command line (`cli`: with --resume, the run's args.json for every flag not given;
+        `holds(args)`: what the run loads, for --plan-memory)."""
+        return cli(cls, argv, holds)
 
 
 @dataclass
@@ -180,7 +189,16 @@ EVAL_SET = ("seed", "dataset", "dataset_config", "eval_dataset", "eval_split", "
 """the flags that decide which problems the held-out evaluation asks (--seed: which testbed problems are held out)"""
 
 
-def cli(Args, argv: list[str] | None = None):
+def cli(Args, argv: list[str] | None = None, holds=None):
+    """A trainer's flags from its command line; `holds(args)`: what the run loads, the fields of
+    common.memory_plan.Holds, for --plan-memory, which prints the run's memory plan and exits here."""
+    args = parse_flags(Args, argv)
+    if getattr(args, "plan_memory", False) and holds is not None:
+        memory_plan.plan(args, memory_plan.Holds(**holds(args)))
+    return args
+
+
+def parse_flags(Args, argv: list[str] | None = None):
     """A trainer's flags from its command line (tyro). With --resume <run folder>: every flag not given takes the value
     in that run's args.json, so the resumed steps run, and are evaluated, as the first ones were; a given flag that
     changes the evaluation set (EVAL_SET) is a one-line error unless --new-eval-set. main() called from Python takes

@@ -21,10 +21,11 @@ from conftest import ROOT
 
 TRAINERS = ["grpo", "oc_grpo", "rloo_sec", "adakp", "mada_rl", "direct_opd", "rlpf", "ppo_slm"]
 LOCAL_TOP = {"common", "grounds", "code_env", *{f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}}
-COMMON_CHAR_BUDGET = 205_000
+COMMON_CHAR_BUDGET = 233_000
 """characters of common/*.py: 181,000 in 3,250 lines at issue 57's layout; 197,400 in 3,530 with reasoning_gym.py and
 manifest.py; 202,800 with issue 58's resume from args.json, cut warning, progress bars off a terminal and second
-Ctrl-C"""
+Ctrl-C; 231,500 with memory_plan.py (issue 64's --plan-memory for every trainer: one rule written once for eight
+trainers, which must import no torch, so it cannot lean on the rest of common/)"""
 MAX_IMPORTED_NAMES = 12
 
 

@@ -179,12 +179,11 @@ def part3_recipe(device: str, out_dir: str, timeout: int, dry_run: bool) -> list
     under --dtype bfloat16 (float32 masters) as in float32, and almost none with --no-master-weights; (b) one
     micro-batch of the update (completion_logprobs, its loss and backward) at 1,024 new tokens on a Qwen2.5-0.5B
     shape with Qwen's vocabulary, bf16 autocast over float32 weights, with and without gradient checkpointing: peak
-    CUDA memory above the held state against docs/fsdp.md's formula
-    (benchmarks/speed/update_memory.update_peak_bytes)."""
+    CUDA memory above the held state against docs/fsdp.md's formula (common.memory_plan.micro_batch_bytes)."""
     import torch
 
     from benchmarks.speed.bench_models import random_model
-    from benchmarks.speed.update_memory import update_peak_bytes
+    from common.memory_plan import Shape, micro_batch_bytes
 
     results = []
     model = random_model(64, 2, 4) if dry_run else random_model(*SIZES["0.5b"])
@@ -236,7 +235,9 @@ def part3_recipe(device: str, out_dir: str, timeout: int, dry_run: bool) -> list
         step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - held
-        formula = update_peak_bytes(rows, prompt, completion, vocab, hidden, inter, heads, kv, layers, True, ckpt)
+        shape = Shape(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=hidden // heads,
+                      intermediate=inter, vocab=vocab, tied=True)
+        formula = sum(micro_batch_bytes(shape, rows, prompt, completion, "autocast", ckpt))
         res = {"check": f"update peak above held state, {rows} rows x ({prompt} + {completion}) tokens, bf16 autocast"
                         f"{', gradient checkpointing' if ckpt else ''}", "rc": 0,
                "value": f"{peak / 2**30:.2f} GiB vs formula {formula / 2**30:.2f} GiB ({peak / formula:.3f})"}

@@ -151,43 +151,19 @@ def measure(config: dict) -> dict:
             return json.load(f)
 
 
-def update_peak_bytes(rows: int, prompt: int, completion: int, vocab: int, hidden: int, inter: int, heads: int,
-                      kv_heads: int, layers: int, bf16: bool, ckpt: bool) -> float:
-    """docs/fsdp.md's formula: the peak of one micro-batch's forward and backward above the state held between
-    micro-batches (weights, gradients, optimizer), in bytes, for a Qwen2/Llama-shaped model with tied embeddings."""
-    from common.rollout import LOGPROB_CHUNK
-
-    e = 2 if bf16 else 4  # bytes per entry of the logits (the LM head's dtype)
-    blocks = 2 * LOGPROB_CHUNK * 4  # float32 blocks of token_logprobs in flight
-    entries, tokens = rows * (completion + 1) * vocab, rows * (prompt + completion)
-    h, kv = hidden, hidden // heads * kv_heads
-    per_layer = 38 * h + 8 * inter if bf16 else 40 * h + 16 * inter  # bytes per token and layer
-    layer_params = 2 * h * h + 2 * h * kv + 3 * h * inter  # q and o (h x h), k and v (h x kv), the MLP
-    bf16_weights = 2 * layer_params if bf16 else 0  # autocast's bf16 copy, kept for backward
-    if ckpt:  # the layers' inputs (float32 residual stream), one layer recomputed at a time
-        act = layers * tokens * 4 * h + tokens * per_layer + bf16_weights
-    else:
-        act = layers * (tokens * per_layer + bf16_weights)
-    act += tokens * 8 * h  # final norm
-    head = vocab * h
-    # the peak is either in token_logprobs' backward (the logits and their gradient) or in the LM head's backward
-    # (one logits-sized gradient and the head's weight gradient: float32, or bf16 then float32 beside the bf16
-    # weight copy under autocast)
-    if not bf16:
-        return max(2 * e * entries + blocks, e * entries + 4 * head) + act
-    return max(2 * e * entries + blocks + 2 * head, e * entries + 8 * head) + act
-
-
 def predicted(c: dict) -> float | None:
-    """docs/fsdp.md's formula for the new code's peak above the state held between micro-batches, in bytes."""
+    """docs/fsdp.md's formula (common.memory_plan.micro_batch_bytes) for the new code's peak above the state held
+    between micro-batches, in bytes."""
     if c["code"] != "new":
         return None
-    from common.rollout import LOGPROB_CHUNK
+    from common.memory_plan import LOGPROB_CHUNK, Shape, micro_batch_bytes
 
     if c["level"] == "logits":  # the gradient of the leaf (kept by the caller) and the blocks
         return (4 if c["dtype"] == "fp32" else 2) * c["rows"] * c["completion"] * V + 2 * LOGPROB_CHUNK * 4
-    return update_peak_bytes(c["rows"], PROMPT, c["completion"], V, HIDDEN, INTER, HEADS, KV_HEADS, LAYERS,
-                             c["dtype"] != "fp32", c["ckpt"])
+    shape = Shape(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+                  intermediate=INTER, vocab=V, tied=True)
+    precision = "float32" if c["dtype"] == "fp32" else "autocast"
+    return sum(micro_batch_bytes(shape, c["rows"], PROMPT, c["completion"], precision, c["ckpt"]))
 
 
 def mb(x: float) -> str:
@@ -257,11 +233,15 @@ def activation_table() -> list[str]:
     lines = ["| layer shape | precision | checkpointing | saved per token and layer, bytes | in units of h | "
              "formula (docs/fsdp.md) | measured / formula | bf16 weight copies per layer, MB |",
              "|---|---|---|---|---|---|---|---|"]
-    for name, (h, _, _, inter) in QWEN_LAYERS.items():
+    from common.memory_plan import Shape, layer_activation_bytes
+
+    for name, (h, heads, kv_heads, inter) in QWEN_LAYERS.items():
+        shape = Shape(hidden=h, layers=1, heads=heads, kv_heads=kv_heads, head_dim=h // heads, intermediate=inter,
+                      vocab=1, tied=True)
         for dtype in ("fp32", "bf16"):
             for ckpt in (False, True):
                 per_token, weights = activation_bytes(name, dtype, ckpt)
-                formula = 4 * h if ckpt else (40 * h + 16 * inter if dtype == "fp32" else 38 * h + 8 * inter)
+                formula = 4 * h if ckpt else layer_activation_bytes(shape, "float32" if dtype == "fp32" else "autocast")
                 text = "4h" if ckpt else ("40h + 16I" if dtype == "fp32" else "38h + 8I")
                 lines.append(f"| {name} (h {h}, I {inter}) | {dtype} | {'on' if ckpt else 'off'} | {per_token:,.0f} | "
                              f"{per_token / h:.1f} h | {text} = {formula:,} | {per_token / formula:.3f} | "
