@@ -220,11 +220,13 @@ def test_direct_opd_scores_the_sampled_vocabulary(wide_head_model_dir):
 
 
 def test_trainer_logprobs_normalise_over_the_sampled_vocabulary(wide_head_model_dir):
-    """load_model masks the padded head rows, so every forward (log-probs, entropies, reference and teacher
-    scores) normalises over the entries the sampler draws from: the trainer's log-probs equal the sampler's."""
-    from common.models import load_model, load_tokenizer
+    """A trainer masks the padded head rows (common.models.mask_padded_head, one line after it loads the policy), so
+    every forward (log-probs, entropies, reference and teacher scores) normalises over the entries the sampler draws
+    from: the trainer's log-probs equal the sampler's."""
+    from common.models import load_model, load_tokenizer, mask_padded_head
 
     tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
+    mask_padded_head(model, len(tok))
     prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
     ro = HFEngine(model, tok).generate(prompts, n=4, temperature=0.7, max_new_tokens=6, return_logprobs=True)
     logp_BC, entropy_BC = completion_logprobs(model, ro.input_ids_BT, ro.attention_mask_BT, ro.prompt_len, 0.7,

@@ -170,10 +170,11 @@ def test_padded_head_rows_are_never_sampled_by_vllm(setup, wide_head_model_dir):
     """A model whose LM head is wider than its tokenizer: a logits processor masks the padded rows, so vLLM
     samples, and normalises its log-probs, over the same entries as the trainer (second engine in this process)."""
     from common.args import TrainArgs
-    from common.models import load_model, load_tokenizer
+    from common.models import load_model, load_tokenizer, mask_padded_head
     from common.rollout import completion_logprobs, make_engine
 
     tok, model = load_tokenizer(wide_head_model_dir), load_model(wide_head_model_dir)
+    mask_padded_head(model, len(tok))  # as the trainers do after loading
     prompts = [tok("12+7=", add_special_tokens=False)["input_ids"], tok("3*4=", add_special_tokens=False)["input_ids"]]
     r = make_engine(TrainArgs(rollout_backend="vllm"), model, tok, seed=0).generate(
         prompts, n=8, temperature=1.0, max_new_tokens=6, return_logprobs=True)
