@@ -119,11 +119,13 @@ def headroom(cells: list[dict]) -> list[str]:
     return [f"{c['task']} {c['level']}" for c in cells if 0.1 <= mean_se(c["sampled"]["ours"])[0] <= 0.9]
 
 
-def table(cells: list[dict], bench: Bench) -> str:
+def table(cells: list[dict], bench: Bench, failed: dict | None = None) -> str:
+    """The report; `failed`: (task, level) -> why reasoning-gym could not generate that cell."""
     from common.data import RG_INSTRUCTION
 
+    failed = failed or {}
     done = {(c["task"], c["level"]) for c in cells}
-    todo = [(t, lv) for t in bench.tasks for lv in bench.levels if (t, lv) not in done]
+    todo = [(t, lv) for t in bench.tasks for lv in bench.levels if (t, lv) not in done and (t, lv) not in failed]
     n, k = (cells[0]["n"], cells[0]["k"]) if cells else (bench.num_problems, bench.samples)
     secs = sum(c["seconds"] for c in cells)
     room = headroom(cells)
@@ -132,7 +134,8 @@ def table(cells: list[dict], bench: Bench) -> str:
         f"Command: `OMP_NUM_THREADS=1 python -m benchmarks.premises.rg_zero_shot_smollm2 --num-problems {n} --samples {k} "
         f"--max-new-tokens {bench.max_new_tokens}` (reasoning-gym 0.1.25; {len(cells)} cells, {secs / 60:.0f} minutes "
         "of one thread on a loaded 2-core CPU, fp32)" + (f"; still to run: {', '.join(f'{t} {lv}' for t, lv in todo)}"
-                                                          if todo else "") + ".", "",
+                                                          if todo else "") + "".join(
+            f"; {t} {lv} could not be generated ({why})" for (t, lv), why in failed.items()) + ".", "",
         f"Held-out problems of `--dataset rg:<task> --levels L` (seed {bench.seed}), {n} a cell, the trainers' prompt: "
         f"the question, then `{RG_INSTRUCTION}`, in the chat template with its default system prompt. Greedy: one "
         f"reply a problem; sampled: {k} a problem at temperature 1, top_p 1. Scores are the task's own score_answer "
@@ -181,16 +184,24 @@ def main(bench: Bench) -> None:
     os.makedirs(os.path.dirname(bench.cells) or ".", exist_ok=True)
     path = path_of("smollm2-135m-instruct")
     model, tok = load_model(path), load_tokenizer(path)
+    failed = {}
     for task in bench.tasks:
         for level in bench.levels:
             if any((c["task"], c["level"]) == (task, level) for c in cells):
                 continue
-            cell = run_cell(model, tok, task, level, bench)
+            try:
+                cell = run_cell(model, tok, task, level, bench)
+            except SystemExit as e:  # a level reasoning-gym cannot generate (common.reasoning_gym's one-line error)
+                failed[(task, level)] = str(e.code).removeprefix("error: ")
+                print(f"{task} {level}: {failed[(task, level)]}", flush=True)
+                with open(bench.output, "w") as f:
+                    f.write(table(cells, bench, failed))
+                continue
             cells.append(cell)
             with open(bench.cells, "a") as f:
                 f.write(json.dumps(cell) + "\n")
             with open(bench.output, "w") as f:
-                f.write(table(cells, bench))
+                f.write(table(cells, bench, failed))
             g, s = cell["greedy"], cell["sampled"]
             print(f"{task} {level}: greedy ours {mean_se(g['ours'])[0]:.2f} tags {sum(g['tags']) / len(g['tags']):.2f}"
                   f" fmt {sum(g['format']) / len(g['format']):.2f} cut {sum(g['cut']) / len(g['cut']):.2f}; sampled "
