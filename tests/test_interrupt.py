@@ -99,9 +99,9 @@ ctrl_c.step = 3
 os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: stop after the step
 time.sleep(0.5)
 torch.set_num_threads(1)
-a = torch.randn(3000, 3000) / 60
+a = torch.randn(4000, 4000) / 70
 print("long call", flush=True)
-torch.linalg.matrix_power(a, 2 ** 62)  # one torch call of 62 products of 3000 x 3000: about a minute
+torch.linalg.matrix_power(a, 2 ** 62)  # one torch call of 62 products of 4000 x 4000: minutes on one thread
 print("returned", flush=True)
 """
 
