@@ -149,6 +149,63 @@ def test_verdict_needs_both_controls_beaten_beyond_the_noise_on_every_seed():
     assert bench.verdict({}, [], 40)[0] is None
 
 
+def premise_cell(p: float, leaks: int = 0) -> dict:
+    return {"pass_at_k": p, "leaks": leaks, "n": 40, "k": 8}
+
+
+def test_oc_grpo_premise_rule():
+    """A level passes with an unguided pass@8 in [0.05, 0.30] and a guided fraction above it beyond the noise whose
+    guidance states no answer; the passing fractions are those."""
+    from benchmarks.premises.oc_grpo_premise_smollm2 import passing
+
+    assert passing({(3, 0.0): premise_cell(0.1), (3, 0.25): premise_cell(0.15), (3, 0.5): premise_cell(0.45),
+                    (3, 0.75): premise_cell(0.5)}) == {3: [0.5, 0.75]}  # 0.25: +0.05, inside +-0.14
+    assert passing({(3, 0.0): premise_cell(0.05), (3, 0.5): premise_cell(0.4)}) == {3: [0.5]}  # the band's edges
+    assert passing({(3, 0.0): premise_cell(0.3), (3, 0.5): premise_cell(0.7)}) == {3: [0.5]}
+    assert passing({(3, 0.0): premise_cell(0.1), (3, 0.5): premise_cell(0.45, leaks=1)}) == {}  # a copied answer
+    assert passing({(3, 0.0): premise_cell(0.0), (3, 0.5): premise_cell(0.45)}) == {}  # all-fail: nothing to learn
+    assert passing({(3, 0.0): premise_cell(0.35), (3, 0.5): premise_cell(0.9)}) == {}  # not a cliff
+    assert passing({(3, 0.0): premise_cell(0.1), (3, 0.5): premise_cell(0.225)}) == {}  # +0.125 inside +-0.16
+    assert passing({(3, 0.0): premise_cell(0.1)}) == {}  # no guided cell
+
+
+def test_oc_grpo_premise_picks_the_claims_cliff_and_fractions():
+    from benchmarks.premises.oc_grpo_premise_smollm2 import cliff_design, untestable_figures
+
+    cells = {(2, 0.0): premise_cell(0.2), (2, 0.5): premise_cell(0.5), (3, 0.0): premise_cell(0.05),
+             (3, 0.25): premise_cell(0.3), (3, 0.5): premise_cell(0.6), (5, 0.0): premise_cell(0.0),
+             (5, 0.5): premise_cell(0.9)}
+    assert cliff_design(cells) == (3, [0.25, 0.5])  # the largest lift of the passing levels (2 and 3)
+    del cells[(3, 0.5)], cells[(3, 0.25)], cells[(2, 0.5)]
+    assert cliff_design(cells) is None
+    assert "L3 0.050; L5 0.000 -> 0.900 at f 0.5, noise +-0.218; guidance states the answer in 0 of 40" in \
+        untestable_figures(cells)  # the verdict's figures: level 5 lifted, but from an all-fail start
+
+
+def test_the_claim_reads_the_premise_records_and_never_measures_them(tmp_path):
+    from benchmarks.premises import oc_grpo_premise_smollm2 as premise
+
+    records = str(tmp_path)
+    with pytest.raises(SystemExit, match=re.escape(premise.COMMAND)):  # nothing recorded: a one-line error
+        premise.recorded_cells(records)
+    for lv in premise.LEVELS:
+        for f in premise.FRACTIONS:
+            claim_runs.cached(premise.cell_path(records, "base", lv, f), premise.settings("base", lv, f),
+                              lambda: premise_cell(0.1))
+    with pytest.raises(SystemExit, match=re.escape(premise.COMMAND)):  # made with other settings: not this premise
+        premise.recorded_cells(records, fractions=(0.0, 0.9))
+    got = premise.recorded_cells(records)
+    assert set(got) == {"base"}  # the post-GRPO start is not recorded: left out, not an error
+    assert got["base"][(3, 0.5)]["pass_at_k"] == 0.1
+    path = premise.cell_path(records, "base", 3, 0.5)
+    with open(path) as f:
+        old = {**json.load(f), "ground": claim_runs.GROUND - 1}
+    with open(path, "w") as f:
+        json.dump(old, f)
+    with pytest.raises(SystemExit, match="made on testbed-nl version"):  # other problems or guidance: not read
+        premise.recorded_cells(records)
+
+
 def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seeds():
     from benchmarks.claims.adakp_smollm2 import verdict
 
