@@ -141,12 +141,13 @@ def test_sample_matched_group_size_counts_the_cascades_draws():
 
 def test_verdict_needs_both_controls_beaten_beyond_the_noise_on_every_seed():
     def res(oc, grpo, matched):
-        return {(arm, 1): {"after": {3: a}} for arm, a in zip(bench.VERDICT_ARMS, (oc, grpo, matched))}
+        return {(arm, 1): {"after": {3: a, 4: 0.0}} for arm, a in zip(bench.VERDICT_ARMS, (oc, grpo, matched))}
 
-    assert bench.verdict(res(0.5, 0.0, 0.0), [1], 40)[0] == "shown"
-    assert bench.verdict(res(0.5, 0.0, 0.45), [1], 40)[0] == "partly"
-    assert bench.verdict(res(0.025, 0.0, 0.0), [1], 40)[0] == "not shown"  # one problem: within the noise
-    assert bench.verdict({}, [], 40)[0] is None
+    assert bench.verdict(res(0.5, 0.0, 0.0), [1], 40, 3)[0] == "shown"
+    assert bench.verdict(res(0.5, 0.0, 0.45), [1], 40, 3)[0] == "partly"
+    assert bench.verdict(res(0.025, 0.0, 0.0), [1], 40, 3)[0] == "not shown"  # one problem: within the noise
+    assert bench.verdict(res(0.5, 0.0, 0.0), [1], 40, 4)[0] == "not shown"  # judged at the cliff the premise picked
+    assert bench.verdict({}, [], 40, 3)[0] is None
 
 
 def premise_cell(p: float, leaks: int = 0) -> dict:
