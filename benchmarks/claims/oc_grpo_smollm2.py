@@ -88,7 +88,8 @@ FALLBACK = Design(3, tuple(f for f in premise.FRACTIONS if f > 0))
 
 def recipe(design: Design) -> list:
     return ["--model-name", MODEL, "--dataset", "testbed-nl", "--levels", *map(str, design.levels),
-            "--num-prompts", "4", "--group-size", str(GROUP), "--max-new-tokens", "48", "--share-prompt",
+            "--num-prompts", "4", "--group-size", str(GROUP), "--max-new-tokens", str(premise.MAX_NEW_TOKENS),
+            "--share-prompt",
             "--learning-rate", "2e-5", "--eval-samples", "0", "--log-samples", "4", "--eval-every", "0"]
 
 
@@ -299,7 +300,8 @@ def report(res: dict, cli, flags: list, base_probes: dict, section: list, failed
            "steps given, not a copied answer. The importance weight pi(y|x) / pi(y|x~) down-weights the tokens the "
            "guidance made likelier; --correction none trains on them at full weight.",
            f"- Recipe as the other SmolLM2 benchmarks (grpo_smollm2, rloo_sec_smollm2): 4 prompts x {GROUP} samples, "
-           f"48 new tokens, lr 2e-5, T = 1, one update per step, no KL term; {cli.steps} steps; a checkpoint every "
+           f"{premise.MAX_NEW_TOKENS} new tokens (the premise's), lr 2e-5, T = 1, one update per step, no KL term; "
+           f"{cli.steps} steps; a checkpoint every "
            f"{cli.save_every} steps so that an interrupted run continues.",
            f"- Measured: held-out greedy accuracy per level before and after ({n} problems a level, the same for every "
            f"arm of a seed; a cut answer scores 0). From each run's final weights on the held-out level-{cliff} "
@@ -410,8 +412,8 @@ def main():
     for seed in cli.seeds:  # the gate: the base model's probe on each seed's cliff-level problems, the guidance
         cliff[seed] = [q for q in load_problems("testbed-nl", "test", design.levels, cli.num_eval_problems, seed)
                        if q.level == design.cliff]  # the held-out problems the trainers evaluate on (load_train_eval)
-        settings = {"k": cli.probe_samples, "max_new_tokens": 48, "seed": seed, "problems": len(cliff[seed]),
-                    "level": design.cliff}
+        settings = {"k": cli.probe_samples, "max_new_tokens": premise.MAX_NEW_TOKENS, "seed": seed,
+                    "problems": len(cliff[seed]), "level": design.cliff}
         base_probes[seed] = cached_probe(os.path.join(cli.records, f"base_probe_seed{seed}.json"), settings,
                                          path_of(MODEL), False, cliff[seed], make=not cli.report_only)
     tokenizer = load_tokenizer(path_of(MODEL))
@@ -429,8 +431,8 @@ def main():
         print(text)
         return
     for seed in cli.seeds:  # seed-major: a finished seed is a complete comparison
-        problems, settings = cliff[seed], {"k": cli.probe_samples, "max_new_tokens": 48, "seed": seed,
-                                           "problems": len(cliff[seed]), "level": design.cliff}
+        problems, settings = cliff[seed], {"k": cli.probe_samples, "max_new_tokens": premise.MAX_NEW_TOKENS,
+                                           "seed": seed, "problems": len(cliff[seed]), "level": design.cliff}
         for arm in cli.arms:
             tag, module, extra = ARMS[arm]
             group = GROUP

@@ -46,7 +46,9 @@ START = os.path.join("runs", "smollm2_start", "grpo_seed1", "checkpoint")
 """the post-GRPO start of the SmolLM2 claims (benchmarks/claims/grpo_smollm2.start_args), relative to the repository"""
 MODELS = {"base": "SmolLM2-135M-Instruct", "start": f"after 30 GRPO steps ({START})"}
 LEVELS, FRACTIONS = (2, 3, 4, 5), (0.0, 0.25, 0.5, 0.75)
-N, SAMPLES, MAX_NEW_TOKENS, SEED = 40, 8, 64, 1
+N, SAMPLES, MAX_NEW_TOKENS, SEED = 40, 8, 96, 1
+"""96 new tokens: at 48, 56 % of the base model's level-3 replies were cut (the claim's old probe) and a cut reply
+scores 0, so the guided prompts, which need fewer tokens, would gain from the cap alone; the claim trains at this cap"""
 BAND = (0.05, 0.30)
 """where the unguided pass@k must lie: all-fail groups common, the unguided prompt not out of reach"""
 RECORDS = os.path.join(ROOT, "benchmarks", "premises", "runs", "oc_grpo_premise_smollm2")
