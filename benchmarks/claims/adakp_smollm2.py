@@ -200,7 +200,8 @@ def report(cli, start: dict, base: dict, leaks: dict, proxy: dict, runs: dict, s
              "## The proxy on the start", "",
              *proxy_lines(proxy, LEVEL, cli.proxy_samples, "the worked solution, whole: it ends with the answer"), ""]
     if failed:
-        lines += ["## Training", "", "No arm trained: the gate failed (above).", "", f"## Verdict: {untestable(failed)}"]
+        lines += ["## Training", "", "No arm trained: the gate failed (above).", "",
+                  f"## Verdict: {untestable(failed)}"]
         return "\n".join(lines) + "\n"
     lines += ["## Training", "",
               f"`python adakp.py --model-name {START}/grpo_seed1/checkpoint {' '.join(RECIPE)} --total-steps "
