@@ -222,6 +222,18 @@ def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seed
     assert len(verdict(after(0.2, 0.1), [1, 2], 40)[1]) == 4  # a line per seed and baseline
 
 
+def test_adakp_gate_needs_the_helpful_kps_to_lift_no_hint_accuracy_beyond_the_noise():
+    from benchmarks.claims.adakp_smollm2 import premise
+
+    line, failed = premise({"none": 0.150, "helpful": 0.450}, 40)  # +0.300 against a +-0.17 noise
+    assert failed == [] and line.endswith(": pass")
+    line, failed = premise({"none": 0.150, "helpful": 0.250}, 40)  # +0.100: inside the noise
+    assert line.endswith("**fail**") and failed[0].startswith("premise, helpful KPs 0.250 - no hint 0.150 = +0.100")
+    assert premise({"none": 0.150, "helpful": 0.100}, 40)[1]  # a fall (issue 60's start on testbed-nl version 2)
+    assert premise({"none": 0.0, "helpful": 0.0}, 40)[1]  # no lift at all, where the noise is 0
+    assert not premise({"none": 0.150, "helpful": 0.250}, 10_000)[1]  # the same lift on many problems: beyond it
+
+
 def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
     from benchmarks.claims.direct_opd_smollm2 import verdict
 
