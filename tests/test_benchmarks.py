@@ -371,10 +371,9 @@ def test_the_sec_claim_keeps_its_runs_as_records_and_reports_from_them_alone(tmp
 
     records, levels = tmp_path / "rec", sec.LEVELS
     records.mkdir()
-    for seed in (1, 2):  # the base model's start, measured before (the gate reads it)
-        start = {"eval/greedy_accuracy": 0.3, **{f"eval/greedy_accuracy/level_{k}": 0.3 for k in levels},
-                 "distinct": 10, "ground": claim_runs.GROUND,
-                 "settings": {"levels": list(levels), "n": 2, "seed": seed, "max_new_tokens": 48}}
+    for seed in (1, 2):  # the base model's start on the judged level, measured before (the gate reads it)
+        start = {"eval/greedy_accuracy": 0.3, "sampled": 0.2, "distinct": 2, "ground": claim_runs.GROUND,
+                 "settings": {"level": 2, "n": 2, "seed": seed, "max_new_tokens": 48, "sampled": [2, 4]}}
         (records / f"start_seed{seed}.json").write_text(json.dumps(start))
 
     def trainer(a):  # leaves the run folder rloo_sec.main leaves: args.json, the metric rows, a checkpoint
@@ -385,32 +384,40 @@ def test_the_sec_claim_keeps_its_runs_as_records_and_reports_from_them_alone(tmp
             json.dump(json.loads(json.dumps(dataclasses.asdict(a))), f)
         ev = lambda step, acc: {"step": step, "time": 1.0 + step, "eval/greedy_accuracy": acc,  # noqa: E731
                                 **{f"eval/greedy_accuracy/level_{k}": acc for k in levels}}
+        live = 0.75 if a.curriculum == "label" else 0.25  # the share of a step's prompts drawn from level 2
         steps = [{"step": s, "time": 1.0 + s, "reward/mean": 0.5, "perf/step_time": 60.0, "adv/frac_zero_std": 0.5,
-                  "train/accuracy": 0.5, **{f"sec/level_frac/level_{k}": 0.2 for k in levels},
-                  **{f"sec/prob/arm_{k}": 0.2 for k in levels}} for s in (1, 2)]
+                  **{f"sec/level_frac/level_{k}": live if k == 2 else (1 - live) / 2 for k in levels},
+                  **{f"sec/prob/arm_{k}": 1 / 3 for k in levels}, "sec/count/arm_2": 4 * live,
+                  "sec/success/arm_2": 0.25} for s in (1, 2)]
         with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in [ev(0, 0.3), *steps, ev(2, 0.4 + a.seed / 10)])
 
     def bench(*flags):
         monkeypatch.setattr(sys, "argv", ["rloo_sec_smollm2", "--steps", "2", "--num-eval-problems", "2",
-                                          "--records", str(records), "--output-dir", str(tmp_path / "runs"),
-                                          "--out", str(tmp_path / "sec.md"), "--plot", str(tmp_path / "sec.png"),
-                                          *flags])
+                                          "--judge-problems", "2", "--records", str(records),
+                                          "--output-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "sec.md"),
+                                          "--plot", str(tmp_path / "sec.png"), *flags])
         sec.main()
         return (tmp_path / "sec.md").read_text()
 
-    calls = []
+    calls, judged = [], []
     monkeypatch.setattr(rloo_sec, "main", trainer)
+    monkeypatch.setattr(sec, "level2", lambda path, n, seed: judged.append(path) or {  # the final weights' judging
+        "eval/greedy_accuracy": 0.5 + seed / 10, "distinct": n})
     made = bench()
-    assert sorted(calls) == ["sec_seed1", "sec_seed2", "uniform_seed1", "uniform_seed2"]
+    assert sorted(calls) == ["sec_seed1", "sec_seed2", "uniform_seed1", "uniform_seed2"] and len(judged) == 4
     assert sorted(p.name for p in records.iterdir() if not p.name.startswith("start")) == [
         "sec_seed1.json", "sec_seed2.json", "uniform_seed1.json", "uniform_seed2.json"]
-    assert "| uniform | 2 | 0.300 -> 0.600 |" in made and "## Verdict: untestable here" in made
+    assert "| uniform | 2 | 0.300 -> 0.700 | 0.300 -> 0.600 |" in made and "## Verdict: untestable here" in made
+    assert "| SEC | 1 | 2 | 0.75 | 0.750 |" in made  # the levels each arm drew, from the rows
+    assert "`python rloo_sec.py --model-name smollm2-135m-instruct --dataset testbed-nl --levels 2 3 5" in made
     os.rename(tmp_path / "runs", tmp_path / "gone")  # a new session's checkout: no run folders
     day = lambda text: re.sub(r"\d{4}-\d{2}-\d{2}", "<date>", text)  # noqa: E731 - a run past midnight
     assert day(bench("--report-only")) == day(made) and len(calls) == 4  # the same report from the records alone
+    assert day(bench("--gate-only")) == day(made) and len(calls) == 4  # the gate, and the runs from their records
     bench()
-    assert len(calls) == 4  # a rerun reads the records back
+    assert len(calls) == 4 and len(judged) == 4  # a rerun reads the records back, judged results and all
+
 
 # --- the gate before a claim run (claim_runs.Claim, gate) ----------------------------------------------------------
 @pytest.fixture(scope="module")
