@@ -52,9 +52,10 @@ class Args(TrainArgs):  # common/args.py: run folder, logging, device, sampling,
     eval_debate: str = ""
     """path of a finished run folder: load its adapters and only run the held-out debate (no training)"""
     generators_from: str = ""
-    """path of a finished run folder: take its trained generators and start at Stage 2, so that critic ablations
-    (--no-counterfactual, --critic-sees) train on the same generators; its model, data split, agents, LoRA shape and
-    --generator-steps must be this run's"""
+    """path of a finished run folder: take its trained generators and its Stage-2 draw (stage2.jsonl: the generators'
+    responses to each critic problem) and start at Stage 2, so that critic ablations (--no-counterfactual,
+    --critic-sees) train on the same generators and the very same proposals; its model, data split, agents, LoRA shape
+    and --generator-steps must be this run's"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the frozen base weights and of the compute (the LoRA adapters stay float32, peft's default, so their
     updates do not round away)"""
@@ -422,9 +423,9 @@ def train_agent(model, engine, tokenizer, name: str, records: list, args: Args, 
     return step0 + steps
 
 
-def critic_records(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[tuple]:
-    """Stage 2: (problem, the generators' proposals as a critic sees them, acc_G) for each critic problem; a proposal
-    cut at max_new_tokens counts as wrong in acc_G, as in training and in the debate."""
+def proposal_rows(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[dict]:
+    """Stage 2's draw: each generator's whole response to each critic problem at --proposal-temperature, and whether
+    it is right (a response cut at max_new_tokens is wrong, as in training and in the debate), a dict a problem."""
     prompt_ids = data.encode_prompts(tokenizer, [data.render_prompt(p, tokenizer) for p in problems],
                                      args.max_prompt_tokens)
     outs = []
@@ -433,8 +434,22 @@ def critic_records(model, engine, tokenizer, problems: list, generators: list[st
         outs.append(engine.generate(prompt_ids, n=1, temperature=max(args.proposal_temperature, 1e-6), top_p=args.top_p,
                                     max_new_tokens=args.max_new_tokens, greedy=args.proposal_temperature <= 0))
     correct_NP = np.array([verifiers.score(o.texts, problems, o.truncated_B) for o in outs])
-    return [(p, [proposal_text(o.texts[i], p, tokenizer, args.critic_sees, args.proposal_tokens) for o in outs],
-             float(correct_NP[:, i].mean())) for i, p in enumerate(problems)]
+    return [{"question": p.question, "answer": p.answer, "responses": [o.texts[i] for o in outs],
+             "correct": correct_NP[:, i].tolist()} for i, p in enumerate(problems)]
+
+
+def critic_record(problem, row: dict, tokenizer, args: Args) -> tuple:
+    """(problem, the proposals as this run's critic sees them, acc_G = mean_n R_acc(y^_n, y)) from a `proposal_rows`
+    row, drawn in this run or read from the --generators-from run's stage2.jsonl."""
+    return (problem, [proposal_text(r, problem, tokenizer, args.critic_sees, args.proposal_tokens)
+                      for r in row["responses"]], float(np.mean(row["correct"])))
+
+
+def critic_records(model, engine, tokenizer, problems: list, generators: list[str], args: Args) -> list[tuple]:
+    """Stage 2: (problem, the generators' proposals as a critic sees them, acc_G) for each critic problem; a proposal
+    cut at max_new_tokens counts as wrong in acc_G, as in training and in the debate."""
+    rows = proposal_rows(model, engine, tokenizer, problems, generators, args)
+    return [critic_record(p, row, tokenizer, args) for p, row in zip(problems, rows)]
 
 
 def main(args: Args) -> dict:
@@ -470,6 +485,8 @@ def main(args: Args) -> dict:
             fail(f"--num-train-problems {args.num_train_problems}: {len(train_problems)} problems split {len(splits)} "
                  f"ways leave {min(len(s) for s in splits)} per agent, fewer than --num-prompts {args.num_prompts}"
                  + (f" or the {world} ranks" if world > args.num_prompts else ""))
+        stage_2 = (mada_rl_agents.saved_stage_2(args.generators_from.rstrip("/"), dict(zip(
+            critics, splits[args.num_generators:]))) if args.generators_from else None)  # before the model loads
         with torch.random.fork_rng():  # the same initial adapters on every rank
             torch.manual_seed(args.seed)
             base = models.load_model(model_path, args.dtype, device)
@@ -524,16 +541,18 @@ def main(args: Args) -> dict:
     # Stage 2: critic data from the trained generators; Stage 3: critics, each on its own split
     stage2 = {}
     for m, name in enumerate(critics):
-        # the proposals drawn from a seed of their own: a run with --generators-from (an ablation's critics) reads the
-        # very proposals the generators' own run gave its critics (the HF sampler draws from torch's generator)
-        torch.manual_seed(args.seed + 10_000 * (m + 1) + rank)
-        records = mada_rl_agents.gather_shares(  # each rank's share of the split, then all of it on every rank
-            critic_records(model, engine, tokenizer, splits[args.num_generators + m][rank::world], generators, args))
-        if rank == 0:  # what this critic trains on, kept with the run (stage2.jsonl)
+        problems = splits[args.num_generators + m]
+        if stage_2 is not None:  # --generators-from: the very proposals that run drew and gave its critics
+            rows = stage_2[name]
+        else:  # drawn from a seed of their own (the HF sampler draws from torch's generator), whatever Stage 1 drew
+            torch.manual_seed(args.seed + 10_000 * (m + 1) + rank)
+            rows = mada_rl_agents.gather_shares(  # each rank's share of the split, then all of it on every rank
+                proposal_rows(model, engine, tokenizer, problems[rank::world], generators, args))
+        records = [critic_record(p, row, tokenizer, args) for p, row in zip(problems, rows)]
+        if rank == 0:  # what this critic trains on, kept with the run (stage2.jsonl; --generators-from reads it)
             with open(os.path.join(run_dir, "stage2.jsonl"), "a" if m else "w") as f:
-                for problem, proposals, acc_g in records:
-                    f.write(json.dumps({"critic": name, "question": problem.question, "answer": problem.answer,
-                                        "proposals": proposals, "acc_g": acc_g}) + "\n")
+                for row, (_, proposals, acc_g) in zip(rows, records):
+                    f.write(json.dumps({"critic": name, **row, "proposals": proposals, "acc_g": acc_g}) + "\n")
         acc, N = np.array([r[2] for r in records]), args.num_generators
         stage2[f"mada/critic_data/{name}/acc_g_mean"] = float(acc.mean())
         stage2.update({f"mada/critic_data/{name}/frac_acc_g_{k}of{N}": float((np.round(acc * N) == k).mean())

@@ -1,8 +1,8 @@
 """What mada_rl.py needs beside its algorithm: its flag checks (critic prompts are never cut, so they must fit); its
 agents as LoRA adapters on one frozen base, switched by name; the agents of a finished run folder reused
-(--eval-debate: its adapters; --generators-from: its trained generators, checked against this run's flags); the
-model folder of an embedded name; each rank's share of a list gathered under torchrun; and the debate's figures
-(final answers, majority votes, accuracies by acc_G bucket, samples, the console table)."""
+(--eval-debate: its adapters; --generators-from: its trained generators, checked against this run's flags, and its
+Stage-2 draw); the model folder of an embedded name; each rank's share of a list gathered under torchrun; and the
+debate's figures (final answers, majority votes, accuracies by acc_G bucket, samples, the console table)."""
 
 from __future__ import annotations
 
@@ -114,6 +114,25 @@ def stage_1_weights(run_dir: str, args) -> list[dict]:
         fail(f"--generators-from {run_dir}: its " + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)}"
                                                               for k in differ) + " differ from this run's")
     return weights
+
+
+def saved_stage_2(run_dir: str, splits: dict) -> dict:
+    """The Stage-2 draw of a finished run (--generators-from), {critic: its rows in split order}, from its stage2.jsonl
+    (mada_rl.proposal_rows' fields): an ablation's critics read the very proposals that run's critics read, whatever
+    the sampler would draw on another machine or thread count. `splits`: {critic: this run's problems for it}."""
+    rows = {name: [] for name in splits}
+    try:
+        with open(os.path.join(run_dir, "stage2.jsonl")) as f:
+            for line in f:
+                r = json.loads(line)
+                rows[r["critic"]].append({k: r[k] for k in ("question", "answer", "responses", "correct")})
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"--generators-from {run_dir}: no Stage-2 draw to read in its stage2.jsonl ({type(e).__name__}; a run "
+             "made before the file kept the generators' responses): run its Stage 1 again")
+    for name, problems in splits.items():
+        if [r["question"] for r in rows[name]] != [p.question for p in problems]:
+            fail(f"--generators-from {run_dir}: its stage2.jsonl holds other problems for {name} than this run's split")
+    return rows
 
 
 def copy_generators(model, weights: list[dict], generators: list[str]) -> None:

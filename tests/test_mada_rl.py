@@ -315,6 +315,17 @@ def test_generators_from_trains_only_critics_on_the_same_generators(tiny_model_d
         mada_rl.main(tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path / "c"), "--seed", "2",
                                                   "--generators-from", first["run_dir"], *tiny]))
     assert not os.path.exists(tmp_path / "c")  # refused before any work
+    # the first run's Stage-2 draw, with critic0's proposals made recognisable: the ablation must read this file,
+    # not draw again (a draw from the same seed matches only where the sampler's floats match, issue 62)
+    path = os.path.join(first["run_dir"], "stage2.jsonl")
+    with open(path) as f:
+        drawn = [json.loads(line) for line in f]
+    assert [r["critic"] for r in drawn] == ["critic0"] * first["params"]["mada/split_sizes"][2] + ["critic1"] * first[
+        "params"]["mada/split_sizes"][3]
+    for r in drawn[: first["params"]["mada/split_sizes"][2]]:
+        r.update(responses=["777", "777"], correct=[0.0, 0.0], proposals=["777", "777"], acc_g=0.0)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in drawn)
     again = mada_rl.main(tyro.cli(mada_rl.Args, args=["--output-dir", str(tmp_path), "--run-name", "b",
                                                       "--no-counterfactual", "--generators-from", first["run_dir"],
                                                       *tiny]))
@@ -328,7 +339,28 @@ def test_generators_from_trains_only_critics_on_the_same_generators(tiny_model_d
         assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k), g  # trained, not the B = 0 start
     for k in ("mada/eval/single_accuracy", "mada/eval/majority_accuracy", "mada/eval/debate_accuracy"):
         assert again["generators"][k] == pytest.approx(first["generators"][k]), k  # the same generators, fresh critics
-    # and the same Stage-2 data: the plain critics read the very proposals the counterfactual ones read (issue 62;
-    # before, Stage 2 was sampled from wherever the run's random stream stood, after Stage 1 or not)
+    # and the same Stage-2 data: the plain critics read the very proposals of the first run's stage2.jsonl (issue 62;
+    # before, they drew their own: from wherever the random stream stood, then from a seed of their own)
     kept = [open(os.path.join(r["run_dir"], "stage2.jsonl")).read() for r in (first, again)]
-    assert kept[0] == kept[1] and len(kept[0].splitlines()) == sum(first["params"]["mada/split_sizes"][2:])
+    assert kept[0] == kept[1]
+    assert again["stage2"]["mada/critic_data/critic0/acc_g_mean"] == 0.0
+    trained = [r for r in assert_samples(again["run_dir"], ("proposals",)) if r["kind"] == "train"]
+    assert {tuple(r["proposals"]) for r in trained if r["agent"] == "critic0"} == {("777", "777")}  # what it trained on
+    assert all(r["proposals"] != ["777", "777"] for r in trained if r["agent"] == "critic1")
+
+
+def test_generators_from_refuses_a_run_without_its_stage_2_draw(tmp_path):
+    p, q = (Problem(question=f"What is {a} + 1?", answer=str(a + 1), task="nl") for a in (1, 2))
+    with pytest.raises(SystemExit, match=r"^error: --generators-from .*: no Stage-2 draw to read in its stage2.jsonl"):
+        mada_rl_agents.saved_stage_2(str(tmp_path), {"critic0": [p]})
+    (tmp_path / "stage2.jsonl").write_text(json.dumps({"critic": "critic0", "question": p.question, "answer": "2",
+                                                       "proposals": ["2"], "acc_g": 1.0}) + "\n")  # no responses
+    with pytest.raises(SystemExit, match=r"^error: --generators-from .*: no Stage-2 draw"):
+        mada_rl_agents.saved_stage_2(str(tmp_path), {"critic0": [p]})
+    (tmp_path / "stage2.jsonl").write_text(json.dumps({"critic": "critic0", "question": p.question, "answer": "2",
+                                                       "responses": ["2"], "correct": [1.0]}) + "\n")
+    assert mada_rl_agents.saved_stage_2(str(tmp_path), {"critic0": [p]}) == {
+        "critic0": [{"question": p.question, "answer": "2", "responses": ["2"], "correct": [1.0]}]}
+    with pytest.raises(SystemExit, match=r"^error: --generators-from .*: its stage2.jsonl holds other problems for "
+                                         r"critic0"):
+        mada_rl_agents.saved_stage_2(str(tmp_path), {"critic0": [q]})
