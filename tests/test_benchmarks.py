@@ -248,54 +248,110 @@ def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
     assert "control 0.500 -> 0.800 (moved beyond the noise)" in verdict(acc(0.7, 0.4, (0.5, 0.8)), [1, 2], 120)[1][0]
 
 
-def test_mada_verdicts_compare_debate_with_the_vote_and_with_the_plain_critics():
-    from benchmarks.claims.mada_rl_smollm2 import arm_lines as lines_of
+def test_mada_stage_1_setting_is_the_band_then_the_judged_split_then_mixed_groups():
+    from benchmarks.claims.mada_rl_smollm2 import choose_setting
 
-    def rec(debate, vote, untrained=0.3, generators=0.3):
-        ev = lambda d, single=0.3: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
-                                    "mada/eval/single_accuracy": single, "mada/eval/improvement_rate": 0.1,
-                                    "mada/eval/break_rate": 0.2}
-        return {"rows": [ev(untrained), ev(debate, generators), {"mada/stage": 3, "mada/beats_generators": 0.05}],
-                "seconds": 60.0}
+    def cell(acc, level, temp, mixed):
+        return {"accuracy": acc, "level": level, "temperature": temp, "mixed": mixed, "held_out": 20 * level}
 
-    cli = types.SimpleNamespace(num_eval_problems=40, agent_steps=10, seeds=[1, 2])
+    cells = {"L1 T1": cell(0.45, 1, 1.0, 0.8), "L1 T0.7": cell(0.55, 1, 0.7, 0.6),
+             "L2 T1": cell(0.06, 2, 1.0, 0.3), "L2 T0.7": cell(0.19, 2, 0.7, 0.5)}
+    assert choose_setting(cells) == "L1 T1"  # level 2 below the band at both temperatures; then the most mixed groups
+    cells["L2 T0.7"]["accuracy"] = 0.21
+    assert choose_setting(cells) == "L2 T0.7"  # in the band now: its 40 held-out problems beat level 1's 20
+    cells["L2 T1"].update(accuracy=0.3, mixed=0.5)
+    assert choose_setting(cells) == "L2 T1"  # as mixed: the higher temperature
+    assert choose_setting({k: {**c, "accuracy": 0.05} for k, c in cells.items()}) is None  # none in the band
+    assert choose_setting({"L1 T1": cell(0.85, 1, 1.0, 0.3)}) is None  # above it: groups mostly all right
+
+
+def test_mada_learning_rate_is_one_that_keeps_every_generator():
+    from benchmarks.claims.mada_rl_smollm2 import choose_lr
+
+    def probe(*gens, base=0.225):
+        return {"base": base, "gens": list(gens), "n": 40}
+
+    # the demo's failure: two generators collapse to 0.000 while one learns; the mean is up, the rate is refused
+    assert choose_lr({1e-4: probe(0.225, 0.25, 0.2), 1e-3: probe(0.7, 0.0, 0.0)}) == 1e-4
+    assert choose_lr({1e-4: probe(0.25, 0.25, 0.225), 3e-4: probe(0.4, 0.3, 0.35)}) == 3e-4  # the larger gain
+    assert choose_lr({1e-4: probe(0.3, 0.3, 0.3), 3e-4: probe(0.3, 0.3, 0.3)}) == 1e-4  # a tie: the smaller rate
+    assert choose_lr({1e-4: probe(0.2, 0.2, 0.2), 3e-4: probe(0.0, 0.0, 0.05)}) is None  # below the base: none keeps
+
+
+def test_mada_gate_fails_on_an_identically_zero_counterfactual_baseline():
+    from benchmarks.claims.mada_rl_smollm2 import baseline_headroom, gates_of
+
+    varied = [0.0, 1 / 3, 2 / 3, 1.0, 1 / 3, 0.0]
+    line, failed = baseline_headroom({1: varied, 2: [0.0] * 6})  # the last run's seed 2: every generator wrong
+    assert line.endswith(": **fail**") and failed == ["headroom, acc_G identically 0.000 on seed 2"]
+    assert "seed 2: mean 0.000 over 6 problems, 0/3 right 1.00, 1/3 right 0.00" in line
+    assert baseline_headroom({1: varied, 2: varied}) == (baseline_headroom({1: varied, 2: varied})[0], [])
+    assert baseline_headroom({1: [1 / 3] * 6})[1] == ["headroom, acc_G identically 0.333 on seed 1"]  # no variation
+    assert baseline_headroom({1: [0.0] * 5 + [1 / 3] * 1})[1] == ["headroom, acc_G mean 0.056 on seed 1"]
+    cli = types.SimpleNamespace(num_eval_problems=40, seeds=[1, 2])
+    stage1 = {1: {"base": 0.225, "acc_g": varied}, 2: {"base": 0.275, "acc_g": [0.0] * 6}}
+    gates = gates_of(cli, 2, stage1)
+    for name in ("debate", "critic"):  # the line stands in each claim's gate and fails both
+        assert f"- headroom ({name}, counterfactual baseline): acc_G" in "\n".join(gates[name][0])
+        assert "headroom, acc_G identically 0.000 on seed 2" in gates[name][1]
+    assert "untestable here: " in "\n".join(claim_runs.gate_section(list(gates.values()), list(gates)))
+
+
+def test_mada_verdicts_compare_debate_with_the_vote_the_best_generator_and_the_plain_critics():
+    from benchmarks.claims.mada_rl_smollm2 import arm_lines
+
+    def rec(debate, vote=0.3, gens=(0.3, 0.3, 0.3), improvement=0.1):
+        ev = lambda d: {"mada/eval/debate_accuracy": d, "mada/eval/majority_accuracy": vote,  # noqa: E731
+                        "mada/eval/single_accuracy": sum(gens) / 3, "mada/eval/improvement_rate": improvement,
+                        "mada/eval/break_rate": 0.2, "mada/eval/problems": 40,
+                        **{f"mada/eval/single_accuracy/gen{g}": a for g, a in enumerate(gens)}}
+        return {"rows": [ev(0.3), {"mada/stage": 3, "mada/beats_generators": 0.05}, ev(debate)], "seconds": 60.0}
+
+    cli = types.SimpleNamespace(seeds=[1, 2])
+    kept = {s: {"base": 0.225, "gens": [0.3, 0.3, 0.3], "n": 40, "lens": [(40, 30)] * 3} for s in (1, 2)}
     passed = {"debate": ([], []), "critic": ([], [])}  # the gates' (lines, failed)
-    arm_lines = lambda runs, cli, gates=passed: lines_of(runs, cli, gates)  # noqa: E731
-    text = "\n".join(arm_lines({(a, s): rec(0.8 if a == "counterfactual" else 0.4, 0.3)
-                                for a in ("counterfactual", "plain") for s in (1, 2)}, cli))
-    assert "## Verdict, debate: shown" in text and "## Verdict, critic: shown" in text
-    text = "\n".join(arm_lines({(a, s): rec(0.35, 0.3) for a in ("counterfactual", "plain") for s in (1, 2)}, cli))
-    assert "## Verdict, debate: partly shown" in text  # above the vote on both seeds, inside the noise
-    assert "## Verdict, critic: not shown" in text  # equal to the plain critics
-    broken = {(a, s): rec(0.8 if a == "counterfactual" else 0.4, 0.0, generators=0.0 if s == 2 else 0.3)
-              for a in ("counterfactual", "plain") for s in (1, 2)}
-    text = "\n".join(arm_lines(broken, cli))  # seed 2's generators end below the base model (0.0 against 0.3)
-    assert "## Verdict, debate: premise fails (Stage 1 left the generators below the base model alone on seed 2; " \
-           "the rule alone would say: shown)" in text
-    assert "## Verdict, critic: shown" in text  # both critic arms read the same generators: still compared
-    weak = {"debate": ([], ["power, detectable 0.206 > needed 0.020"]), "critic": ([], [])}
-    text = "\n".join(arm_lines(broken, cli, weak))  # a failed gate says so first; the premise's failure is noted
-    assert "## Verdict, debate: untestable here: power, detectable 0.206 > needed 0.020 (the rule alone: shown)" in text
-    assert "Stage 1 also left the generators below the base model alone on seed 2 (premise fails)" in text
-    half = {k: v for k, v in {(a, s): rec(0.8, 0.3) for a in ("counterfactual", "plain") for s in (1, 2)}.items()
-            if k != ("plain", 2)}
-    assert "Incomplete: seeds finished [1] of [1, 2]" in "\n".join(arm_lines(half, cli))
+    runs = {(a, s): rec(0.8, improvement=0.7) if a == "counterfactual" else rec(0.4)
+            for a in ("counterfactual", "plain") for s in (1, 2)}
+    text = "\n".join(arm_lines(runs, kept, cli, passed))
+    for what in ("the debate against the vote", "the debate against the best generator",
+                 "counterfactual against plain critics", "the improvement rate"):
+        assert f"## Verdict, {what}: shown" in text, what
+    assert "seed 1: 0.700 against 0.100 (+0.600" in text and "28 problems)" in text  # the 28 whose vote is wrong
+    runs = {(a, s): rec(0.45, gens=(0.5, 0.3, 0.3)) for a in ("counterfactual", "plain") for s in (1, 2)}
+    text = "\n".join(arm_lines(runs, kept, cli, passed))
+    assert "## Verdict, the debate against the vote: partly shown" in text  # above on both seeds, inside the noise
+    assert "## Verdict, the debate against the best generator: not shown" in text  # below generator 0's 0.5
+    assert "## Verdict, counterfactual against plain critics: not shown" in text  # equal
+    broken = {**kept, 2: {**kept[2], "gens": [0.0, 0.0, 0.3]}}  # seed 2's Stage 1 did not keep its generators
+    text = "\n".join(arm_lines({(a, s): rec(0.8) for a in ("counterfactual", "plain") for s in (1, 2)}, broken, cli,
+                               {"debate": ([], []), "critic": ([], ["power, detectable 0.206 > needed 0.008"])}))
+    assert "## Verdict, the debate against the vote: premise fails (Stage 1 did not keep the generators on seed 2); " \
+           "the rule alone: shown" in text
+    assert "## Verdict, counterfactual against plain critics: untestable here: power, detectable 0.206 > needed " \
+           "0.008 (the rule alone: not shown)" in text
+    half = {k: v for k, v in runs.items() if k != ("plain", 2)}
+    assert "Incomplete: seeds finished [1] of [1, 2]" in "\n".join(arm_lines(half, kept, cli, passed))
 
 
-def test_mada_report_shows_each_generator_and_a_mute_one():
-    from benchmarks.claims.mada_rl_smollm2 import generator_lines
+def test_mada_report_stops_where_the_stage_1_premise_fails():
+    from benchmarks.claims.mada_rl_smollm2 import report
 
-    def ev(debate, each):
-        return {"mada/eval/debate_accuracy": debate, "mada/eval/single_accuracy": sum(each) / 3,
-                **{f"mada/eval/single_accuracy/gen{g}": a for g, a in enumerate(each)}}
-
-    lengths = {0: (41.0, 13.0), 1: (46.0, 1.2), 2: (47.0, 2.0)}
-    stage1 = [{"mada/stage": 1, "mada/agent": g, "rollout/completion_len": n} for g in range(3) for n in lengths[g]]
-    rec = {"rows": [ev(0.15, (0.15,) * 3), *stage1, ev(0.275, (0.375, 0.0, 0.0)), ev(0.375, (0.375, 0.0, 0.0))]}
-    text = "\n".join(generator_lines({("counterfactual", 1): rec, ("plain", 1): rec}))
-    assert "| 1 | 0.375 (41 -> 13) | 0.000 (46 -> 1) | 0.000 (47 -> 2) | 0.375 | 0.375 |" in text
-    assert text.count("| 1 |") == 1  # the plain arm reuses the generators: one row a seed
-    assert "seed 1: 2 of 3 generators end below the base model alone (0.150); 2 of 3 sample replies of under 5" in text
+    cli = types.SimpleNamespace(num_eval_problems=40, agent_steps=10, seeds=[1, 2], num_prompts=4, group_size=8,
+                                max_new_tokens=64, num_train_problems=360)
+    cell = lambda lv, t, a: {"level": lv, "temperature": t, "accuracy": a, "mixed": 0.1, "cut": 0.0,  # noqa: E731
+                             "held_out": 20 * lv, "problems": 40, "samples": 8, "seconds": 60.0}
+    sampled = {"L1 T1": cell(1, 1.0, 0.1), "L2 T1": cell(2, 1.0, 0.05)}
+    text = report(cli, sampled, None, {}, None, {}, None, {}, [])
+    assert "## Verdict: untestable here: the Stage-1 premise fails: no level and temperature gives a sampled " \
+           "accuracy in [0.20, 0.80] (L1 T1 0.100, L2 T1 0.050)" in text
+    assert text.index("## The gate") < text.index("## The Stage-1 premise") < text.index("## Verdict")
+    sampled["L1 T1"]["accuracy"] = 0.4
+    probe = lambda *g: {"base": 0.55, "gens": list(g), "n": 20, "lens": [(20, 2)] * 3, "seconds": 600.0}  # noqa: E731
+    text = report(cli, sampled, "L1 T1", {1e-4: probe(0.1, 0.0, 0.0), 3e-4: probe(0.0, 0.0, 0.0)}, None, {}, None,
+                  {}, [])
+    assert "## Verdict: untestable here: the Stage-1 premise fails: no learning rate keeps the generators at or " \
+           "above the base model after Stage 1 (0.0001: 0.100 / 0.000 / 0.000 against 0.550; 0.0003: " in text
+    assert "## The arms" not in text
 
 
 def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():

@@ -1,84 +1,243 @@
-"""MADA-RL's claim on a real model (issue 42), its premise first: does a critic on SmolLM2-135M-Instruct answer better
-when one of three proposals it reads is right than with none?
+"""MADA-RL's claims on SmolLM2-135M-Instruct (issues 42, 62), on a Stage 1 that trains its generators.
 
-The claim (mada_rl.py): after training, the generator/critic debate beats the generators' majority vote, and the
-counterfactual critic advantage beats the plain one. Both rest on a critic that uses what it reads: a right proposal
-among wrong ones must lift its accuracy over answering alone. On the testbed that premise failed (the model never
-read proposals); this measures it on the real model, as mada_rl.py's critics read proposals by default (the
-generators' worked responses, `--critic-sees responses`) and as bare answers (`--critic-sees answers`), on the base
-model and after a short GRPO run (grpo_smollm2.py's recipe, seed 1: 30 steps on levels 1-2), on held-out level 2
-(zero-shot 0.225 greedy, benchmarks/premises/testbed_premises_smollm2.md: room above and below). The cells are
-benchmarks/premises/testbed_premises.py's (`proposal_cells`): a right response is the problem's worked solution, a wrong
-one the same with a near miss in place of the answer, so its last step and its final answer are wrong.
+The claims (mada_rl.py, ALGORITHMS.md 5.6-5.7): after training, the generator/critic debate beats the generators'
+majority vote and the best single generator, and critics trained with the counterfactual advantage A_C = R_C - 2 acc_G
+beat critics trained with the plain GRPO z-score of R_C (debate accuracy, improvement rate: majority wrong -> critic
+right; break rate: majority right -> critic wrong). Both rest on generators that Stage 1 trained, not broke: the last
+run (issue 62) trained them at the CPU demo's LoRA rate 1e-3 at T = 1 with 0-9 % of samples right, so nearly every
+group was all wrong, its z-scored reward was the length term alone, and 5 of 6 generators collapsed to 1-3-token
+replies. So, measured first, in this order, each kept as a record (claim_runs.cached / finished_run):
 
-The rule (../shared/CLAIMS.md, issue 42): the premise holds on a model when 1 of 3 right responses lifts greedy
-accuracy by >= 0.10 over no proposals. If it fails on the base model and after GRPO, the verdict is "premise fails"
-with both figures, and the training arms (debate against vote, counterfactual against plain critics) are not
-evidence either way. Writes benchmarks/claims/mada_rl_smollm2.md.
+1. The Stage-1 premise: the base model's SAMPLED accuracy on the training level, on the first SAMPLED[0] distinct
+   training problems of seed 1 x SAMPLED[1] samples (<= 64 new tokens), for levels 1 and 2 at T = 1.0 and 0.7. It must
+   lie in BAND = [0.20, 0.80], so that groups are mixed. `choose_setting` picks, among the settings in the band, the one
+   with the most distinct held-out problems (the claim is judged on that level's held-out split: level 2 has 40, level
+   1 only 20 sums), then the most mixed groups (right and wrong samples in one group), then the higher temperature.
+   None in the band: "untestable here" (the premise fails), nothing more runs.
+2. The critic premise (issue 42) on the chosen level: the base model's greedy accuracy alone and as a critic reading 1
+   or 0 right of three proposals (benchmarks/premises/testbed_premises.py `proposal_cells`); it gates the arms as
+   before: 1 of 3 right responses must lift accuracy by >= 0.10 over none (the critics start from the base model).
+3. A Stage-1 probe at each learning rate of LRS (1e-4, 3e-4: the demo's 1e-3 broke the generators) on seed 1: mada_rl.py
+   with the arms' flags, --critic-steps 0 and --debate-rounds 1, i.e. the three generators trained for --agent-steps
+   steps each with the paper's reward R = 2 R_acc + R_len (z-scored per group), their held-out greedy accuracy against
+   the base model's (the run's first evaluation, every adapter still B = 0), and Stage 2's draw (each critic problem
+   answered by the three generators at the chosen T: stage2.jsonl, acc_G). `keeps`: the generators' mean at or above
+   the base model's and none below it beyond the noise of two cells (claim_runs.margin); `choose_lr`: of the rates that
+   keep, the one whose generators gained most (ties: the smaller). None keeps: "untestable here" with the figures, no
+   arm runs. The probe of the chosen rate is seed 1's Stage 1, and seed 2 gets its own at that rate. (The rate is
+   chosen on the judged split's held-out problems; both arms read the same generators, so the choice favours neither.)
+4. The gate (claim_runs.gate): leakage, headroom (the base model on the judged split), power, and `baseline_headroom`:
+   the generator ensemble's per-instance accuracy acc_G on the critic problems (the counterfactual baseline) must vary
+   across problems with its mean in [0.10, 0.90] on every seed; an identically-0 baseline fails it (the last run's
+   seed 2), as does an identically-1 one.
+5. The arms, seeds 1 and 2, both on that seed's Stage-1 run (--generators-from): the counterfactual critics and the
+   plain ones (--no-counterfactual), which read the very Stage-2 proposals of that run's stage2.jsonl (mada_rl.py reads
+   the file; tests/test_mada_rl.py shows it). --agent-steps critic steps each, the chosen T and rate.
 
-The arms, where the premise holds on the base model (mada_rl.py's critics start from it: fresh LoRA adapters on the
-frozen base): `mada_rl.py` on level 2 (3 generators, 3 critics, LoRA r = 8 on every projection, lr 1e-3, 4 prompts
-x 8 samples, 64 new tokens, ARM_FLAGS) with the counterfactual critic advantage, and the plain one (GRPO group
-z-score, --no-counterfactual) trained on the same generators (--generators-from the first run: one Stage 1 a seed),
-seeds 1 and 2. Measured on 40 held-out level-2 problems, greedy: the single generator (mean over the three), the
-generators' majority vote, the debate (round 2, mean over critics), the critics' improvement rate (majority wrong ->
-critic right) and break rate (majority right -> critic wrong); trainable parameters against full fine-tuning.
-The rules, written before the runs: (debate) the counterfactual arm's debate above the vote beyond the noise on both
-seeds: shown; above on both inside the noise, or beyond on one: partly; else not shown. (critic advantage) the
-counterfactual arm's debate above the plain arm's, the same rule.
+The rules, written before the runs: (debate) the counterfactual arm's debate above the generators' vote beyond the
+noise on both seeds: shown; above on both inside the noise, or beyond on one: partly; else not shown; the same against
+the best single generator (the best of three on the judged problems: a generous baseline); (critic) the counterfactual
+arm's debate above the plain arm's, the same rule; (critic rates) its improvement rate above the plain arm's, the same
+rule on the problems whose vote is wrong, and its break rate said beside the plain arm's. A seed whose Stage 1 did not
+keep its generators makes the debate verdicts "premise fails"; a failed gate makes a verdict "untestable here".
 
-    python -m benchmarks.claims.mada_rl_smollm2       # the premise (records), then 2 arms x 2 seeds
-    python -m benchmarks.claims.mada_rl_smollm2 --steps 2 --num-eval-problems 4 --agent-steps 1 --seeds 1 \\
-        --out /tmp/m.md --output-dir /tmp/m_runs --records /tmp/m_records   # a smoke run
+Time on this 2-core CPU (a SmolLM2 step of 4 prompts x 8 samples costs 40-50 s at about 41 tokens a reply, the last
+run's records; 64 new tokens at most): the sampled premise 4 x 320 replies, about 10 minutes; the critic cells 2-3
+minutes; each Stage-1 run (two probes at seed 1, one at seed 2) 30 steps (3 generators x 10) plus three greedy
+evaluations and Stage 2's draw, about 25-30 minutes; each arm 30 critic steps and two debates, about 25 minutes, 4 of
+them. In all about 3 h 15 min at level 2 (about 2 h 30 min at level 1, with shorter replies and fewer problems):
+NOT within the ~90-minute budget, over it by about 1 h 45 min (1 h at level 1). The premise and the probes (about 1 h)
+come first and decide whether the arms (about 2 h with seed 2's Stage 1) run at all. Nothing was cut to fit.
 
-Every run and each model's cells are kept as records in benchmarks/claims/runs/mada_rl_smollm2/
-(benchmarks/claims/claim_runs.py), so a rerun reads them back; mada_rl.py writes no checkpoints, so an interrupted arm
-starts again.
+    python -m benchmarks.claims.mada_rl_smollm2 --premise-only   # the sampled premise, critic cells, probes (~1 h)
+    python -m benchmarks.claims.mada_rl_smollm2                  # then seed 2's Stage 1 and the arms (~2 h)
+    python -m benchmarks.claims.mada_rl_smollm2 --report-only    # the report from the records
+    python -m benchmarks.claims.mada_rl_smollm2 --sampled-problems 4 --samples 2 --num-eval-problems 8 \\
+        --agent-steps 1 --seeds 1 --num-prompts 2 --group-size 2 --max-new-tokens 32 --num-train-problems 36 \\
+        --out /tmp/m.md --arms-dir /tmp/m_runs --records /tmp/m_records   # a smoke run
 
-The gate (benchmarks/claims/claim_runs.py, `claims`), once the base model's cells are measured and before any arm
-trains: the critics read the generators' own samples, nothing built from the reference; the base model (every agent's
-start, so also the generators' vote) must leave room on level 2; and 40 problems must be able to show the paper's
-effects. A failed gate makes a verdict "untestable here".
+Every run is a record in benchmarks/claims/runs/mada_rl_smollm2/, so a rerun reads it back; mada_rl.py writes no
+checkpoints, so an interrupted run starts again. Writes benchmarks/claims/mada_rl_smollm2.md.
 """
 
 import argparse
+import json
 import os
 import time
 
+import numpy as np
 import torch
+import tyro
 
-import grpo
 import mada_rl
 from benchmarks import ROOT
-import tyro
-from benchmarks.claims.claim_runs import (Claim, cached, finished_run, gate, gate_section, margin, untestable,
-                                          verdict_lines)
-from benchmarks.claims.grpo_smollm2 import RECIPE, START, start_args
+from benchmarks.claims.claim_runs import (HEADROOM, Claim, cached, finished_run, gate, gate_section, margin,
+                                          untestable, verdict_lines)
 from benchmarks.premises.testbed_premises import nl_accuracy, proposal_cells, proposal_premises
-from common.data import load_problems, render_prompt
-from common.models import load_model, load_tokenizer
-from grounds import path_of
+from common.data import encode_prompts, load_problems, render_prompt
 
-MODEL, LEVEL = "smollm2-135m-instruct", 2
-BASE = "SmolLM2-135M-Instruct"
+MODEL = "smollm2-135m-instruct"
 RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "mada_rl_smollm2")
-ARM_FLAGS = ["--model-name", MODEL, "--dataset", "testbed-nl", "--levels", str(LEVEL), "--num-generators", "3",
-             "--num-critics", "3", "--num-prompts", "4", "--group-size", "8", "--max-new-tokens", "64",
-             "--micro-batch-size", "16", "--share-prompt", "--num-train-problems", "360", "--eval-every", "0",
-             "--log-samples", "4"]
-"""mada_rl.py's flags in both arms (LoRA r 8, lr 1e-3: its defaults): grpo_smollm2's batch on the premise's level,
-64 new tokens (a level-2 worked solution is 49-55 tokens), 60 training problems an agent (6 agents)"""
+LEVELS, TEMPERATURES, LRS = (1, 2), (1.0, 0.7), (1e-4, 3e-4)
+"""the candidates: training (and judged) level, sampling temperature, LoRA learning rate"""
+BAND = (0.2, 0.8)
+"""where the base model's sampled accuracy on the training level must lie, so that groups are mixed"""
+SAMPLED = (40, 8)
+"""the sampled premise: distinct training problems x samples each"""
+ARM_FLAGS = ["--model-name", MODEL, "--dataset", "testbed-nl", "--num-generators", "3", "--num-critics", "3",
+             "--micro-batch-size", "16", "--share-prompt", "--eval-every", "0", "--log-samples", "4"]
+"""mada_rl.py's flags in every run (LoRA r 8 on every projection: its default); the level, temperature, rate, batch,
+tokens and problems are added from the choices and the command line"""
 
 
-def claims(cli, base: dict) -> dict:
-    """The gate declarations of the two verdicts: debate over the generators' vote, counterfactual over plain critics
-    (the base model's greedy accuracy alone is every agent's start, and the vote of three copies of it)."""
-    n = cli.num_eval_problems
-    common = dict(split=f"held-out level {LEVEL}, {n} problems a seed (the trainer's evaluation)",
-                  n=min(len({p.question for p in load_problems("testbed-nl", "test", (LEVEL,), n, s)})
-                        for s in cli.seeds),
-                  seeds=list(cli.seeds), start={s: base[f"L{LEVEL}"] for s in cli.seeds},
-                  start_is="greedy accuracy of the base model (every agent's start; the cells)",
+# --- 1. the Stage-1 premise: sampled accuracy on the training level, and the choice of level and temperature ----------
+def held_out(level: int, cli) -> int:
+    """Distinct held-out problems of `level` the arms are judged on (the fewest over the seeds)."""
+    return min(len({p.question for p in load_problems("testbed-nl", "test", (level,), cli.num_eval_problems, s)})
+               for s in cli.seeds)
+
+
+def sampled_cells(cli) -> dict:
+    """The base model's sampled accuracy on the first cli.sampled_problems distinct training problems of the first
+    seed, cli.samples samples each, for every level and temperature, and the fraction of mixed groups."""
+    from common.models import load_model, load_tokenizer, mask_padded_head
+    from common.rollout import HFEngine
+    from common.verifiers import score
+    from grounds import path_of
+
+    tok, model = load_tokenizer(path_of(MODEL)), load_model(path_of(MODEL)).eval()
+    mask_padded_head(model, len(tok))
+    engine, out = HFEngine(model, tok, max_batch=64), {}
+    for lv in LEVELS:
+        pool, problems = load_problems("testbed-nl", "train", (lv,), cli.num_train_problems, cli.seeds[0]), []
+        for p in pool:  # the first distinct questions of the pool the trainer splits among its agents
+            if p.question not in {q.question for q in problems} and len(problems) < cli.sampled_problems:
+                problems.append(p)
+        ids = encode_prompts(tok, [render_prompt(p, tok) for p in problems])
+        for temp in TEMPERATURES:
+            t0 = time.time()
+            torch.manual_seed(0)
+            r = engine.generate(ids, n=cli.samples, temperature=temp, max_new_tokens=cli.max_new_tokens)
+            right_PS = np.array(score(r.texts, [p for p in problems for _ in range(cli.samples)],
+                                      r.truncated_B)).reshape(len(problems), cli.samples)
+            solved_P = right_PS.sum(1)
+            out[f"L{lv} T{temp:g}"] = {"level": lv, "temperature": temp, "accuracy": float(right_PS.mean()),
+                                       "mixed": float(((solved_P > 0) & (solved_P < cli.samples)).mean()),
+                                       "cut": float(np.asarray(r.truncated_B, dtype=float).mean()),
+                                       "problems": len(problems), "samples": cli.samples,
+                                       "held_out": held_out(lv, cli), "seconds": time.time() - t0}
+    return out
+
+
+def choose_setting(cells: dict) -> str | None:
+    """The key of the chosen level and temperature: in BAND, then the most distinct held-out problems (the judged
+    split), then the most mixed groups, then the higher temperature; None when no setting is in the band.
+
+    >>> choose_setting({"L1 T1": dict(accuracy=0.5, held_out=20, mixed=0.9, temperature=1.0),
+    ...                 "L2 T1": dict(accuracy=0.1, held_out=40, mixed=0.3, temperature=1.0),
+    ...                 "L2 T0.7": dict(accuracy=0.25, held_out=40, mixed=0.5, temperature=0.7)})
+    'L2 T0.7'
+    """
+    inside = [k for k, c in cells.items() if BAND[0] <= c["accuracy"] <= BAND[1]]
+    if not inside:
+        return None
+    return max(inside, key=lambda k: (cells[k]["held_out"], cells[k]["mixed"], cells[k]["temperature"]))
+
+
+# --- 3. the Stage-1 probe: generators trained at each rate, against the base model ------------------------------------
+def run_args(cli, level: int, temp: float, lr: float, seed: int, arm: str = "stage1") -> mada_rl.Args:
+    """The run of one Stage 1 ('stage1': generators only, then Stage 2's draw; no critic steps, no critic round) or of
+    one arm ('counterfactual', 'plain') on that seed's Stage-1 run."""
+    stage1 = f"stage1_L{level}_T{temp:g}_lr{lr:g}_seed{seed}"
+    flags = [*ARM_FLAGS, "--levels", str(level), "--temperature", str(temp), "--proposal-temperature", str(temp),
+             "--learning-rate", str(lr), "--num-prompts", str(cli.num_prompts), "--group-size", str(cli.group_size),
+             "--max-new-tokens", str(cli.max_new_tokens), "--num-train-problems", str(cli.num_train_problems),
+             "--num-eval-problems", str(cli.num_eval_problems), "--generator-steps", str(cli.agent_steps),
+             "--seed", str(seed), "--output-dir", cli.arms_dir]
+    if arm == "stage1":
+        flags += ["--critic-steps", "0", "--debate-rounds", "1", "--run-name", stage1]
+    else:
+        flags += ["--critic-steps", str(cli.agent_steps), "--generators-from", os.path.join(cli.arms_dir, stage1),
+                  "--run-name", f"{arm}_seed{seed}", *(["--no-counterfactual"] if arm == "plain" else [])]
+    args = tyro.cli(mada_rl.Args, args=flags)
+    # filled in by main(); claim_runs compares it and finds the last evaluation by it
+    args.total_steps = 3 * cli.agent_steps * (1 if arm == "stage1" else 2)
+    return args
+
+
+def stage_2_draw(run_dir: str) -> dict:
+    """acc_G of every critic problem of a run's Stage 2 (its stage2.jsonl), kept in its record."""
+    with open(os.path.join(run_dir, "stage2.jsonl")) as f:
+        return {"acc_g": [json.loads(line)["acc_g"] for line in f]}
+
+
+def debate_rows(record: dict) -> list[dict]:
+    """The held-out evaluations of a run: a Stage-1 run's before and after Stage 1 (twice: no critic steps); an arm's
+    with its generators and untrained critics, and at the end."""
+    return [r for r in record["rows"] if "mada/eval/debate_accuracy" in r]
+
+
+def stage1_figures(record: dict) -> dict:
+    """What a Stage-1 run did to its generators: the base model's held-out greedy accuracy (every adapter B = 0),
+    each generator's after Stage 1, the held-out problems, the mean length of each generator's sampled replies at its
+    first and last step, and its Stage-2 draw's acc_G."""
+    ev = debate_rows(record)
+    lens = [[r["rollout/completion_len"] for r in record["rows"]
+             if r.get("mada/stage") == 1 and r.get("mada/agent") == g and "rollout/completion_len" in r]
+            for g in range(3)]
+    return {"base": ev[0]["mada/eval/single_accuracy"], "n": int(ev[0]["mada/eval/problems"]),
+            "gens": [ev[-1][f"mada/eval/single_accuracy/gen{g}"] for g in range(3)],
+            "lens": [(x[0], x[-1]) if x else (0.0, 0.0) for x in lens], "acc_g": record["measured"].get("acc_g", [])}
+
+
+def keeps(fig: dict) -> bool:
+    """Stage 1 kept its generators: their mean held-out accuracy at or above the base model's, and none below it
+    beyond the noise of two cells of n problems (a collapsed generator, 0.000 against 0.225, is far beyond).
+
+    >>> keeps({"base": 0.225, "gens": [0.25, 0.2, 0.25], "n": 40})
+    True
+    >>> keeps({"base": 0.225, "gens": [0.5, 0.0, 0.3], "n": 40})  # the mean is up, one generator collapsed
+    False
+    """
+    mean = sum(fig["gens"]) / len(fig["gens"])
+    return mean >= fig["base"] and all(g >= fig["base"] - margin(g, fig["base"], fig["n"]) for g in fig["gens"])
+
+
+def choose_lr(probes: dict) -> float | None:
+    """Of the rates whose Stage 1 keeps its generators ({rate: stage1_figures}), the one whose generators gained most
+    (ties: the smaller rate); None when none keeps."""
+    kept = [lr for lr, fig in probes.items() if keeps(fig)]
+    if not kept:
+        return None
+    return max(kept, key=lambda lr: (sum(probes[lr]["gens"]), -lr))
+
+
+# --- 4. the gate ----------------------------------------------------------------------------------------------------
+def baseline_headroom(acc_g: dict) -> tuple[str, list[str]]:
+    """The gate's line on the counterfactual baseline, {seed: acc_G of each critic problem}: on every seed it varies
+    across problems (at least two values) and its mean lies in HEADROOM; an identically-0 baseline (every generator
+    wrong on every problem) fails, as A_C is then the raw critic reward. Returns (line, failed)."""
+    lo, hi = HEADROOM
+    ok = {s: len(set(a)) > 1 and lo <= float(np.mean(a)) <= hi for s, a in acc_g.items()}
+    figs = "; ".join(f"seed {s}: mean {np.mean(a):.3f} over {len(a)} problems, "
+                     + ", ".join(f"{k}/3 right {np.mean(np.round(np.array(a) * 3) == k):.2f}" for k in range(4))
+                     for s, a in acc_g.items())
+    line = (f"- headroom (counterfactual baseline): acc_G, the generator ensemble's per-instance accuracy on the "
+            f"critic problems (Stage 2's draw), must vary across problems with its mean in [{lo:.2f}, {hi:.2f}]: "
+            f"{figs}: "
+            f"{'pass' if all(ok.values()) else '**fail**'}")
+    said = lambda a: f"identically {a[0]:.3f}" if len(set(a)) == 1 else f"mean {np.mean(a):.3f}"  # noqa: E731
+    failed = [f"headroom, acc_G {said(a)} on seed {s}" for s, a in acc_g.items() if not ok[s]]
+    return line, failed
+
+
+def claims(cli, level: int, starts: dict) -> dict:
+    """The gate declarations of the two verdicts (debate over the generators' vote and best generator; counterfactual
+    over plain critics); `starts`: {seed: the base model's held-out greedy accuracy}, every agent's start."""
+    common = dict(split=f"held-out level {level}, {held_out(level, cli)} problems a seed (the trainer's evaluation)",
+                  n=held_out(level, cli), seeds=list(cli.seeds), start=starts,
+                  start_is="greedy accuracy of the base model (every agent's start: the Stage-1 runs' first "
+                           "evaluation)",
                   contexts_are="none from the reference: the critics read the generators' own samples")
     return {"debate": Claim(**common, effect=0.02, name="debate",
                             effect_is="the paper: MADA over its base, 39.9 -> 41.9, ALGORITHMS.md 5.6"),
@@ -86,243 +245,313 @@ def claims(cli, base: dict) -> dict:
                             "advantage 41.1 against 41.9 (p = 0.095), ALGORITHMS.md 5.6")}
 
 
-def cells(model_dir: str, n: int) -> dict:
-    """Greedy accuracy on n held-out level-2 problems alone and with three proposals (answers or responses, 1 or 0
-    of them right), up to 64 new tokens, the trainers' tokenizer and renderer (seed 0: testbed_premises' problems)."""
+def gates_of(cli, level: int, stage1: dict) -> dict:
+    """{name: (lines, failed)} of both claims, with the counterfactual baseline's line on each."""
+    line, failed = baseline_headroom({s: stage1[s]["acc_g"] for s in cli.seeds})
+    out = {}
+    for name, c in claims(cli, level, {s: stage1[s]["base"] for s in cli.seeds}).items():
+        lines, f = gate(c, {"leaks": 0, "contexts": 0})
+        out[name] = (lines + [line.replace("(counterfactual baseline)", f"({name}, counterfactual baseline)")],
+                     f + failed)
+    return out
+
+
+# --- 2. the critic premise (issue 42) on the chosen level -----------------------------------------------------------
+def cells(level: int, n: int) -> dict:
+    """The base model's greedy accuracy on n held-out problems of `level` alone and with three proposals (answers or
+    responses, 1 or 0 of them right), up to 64 new tokens (seed 0: testbed_premises' problems)."""
+    from common.models import load_model, load_tokenizer
+    from grounds import path_of
+
     t0 = time.time()
-    tok, model = load_tokenizer(path_of(MODEL)), load_model(model_dir).eval()
-    problems = load_problems("testbed-nl", "test", (LEVEL,), n, 0)
-    m = {f"L{LEVEL}": nl_accuracy(model, tok, problems, [render_prompt(p, tok) for p in problems])}
-    return {**m, **proposal_cells(model, tok, problems, LEVEL), "seconds": time.time() - t0}
+    tok, model = load_tokenizer(path_of(MODEL)), load_model(path_of(MODEL)).eval()
+    problems = load_problems("testbed-nl", "test", (level,), n, 0)
+    m = {f"L{level}": nl_accuracy(model, tok, problems, [render_prompt(p, tok) for p in problems])}
+    return {**m, **proposal_cells(model, tok, problems, level), "seconds": time.time() - t0}
 
 
-def arm_args(arm: str, seed: int, cli) -> "mada_rl.Args":
-    """The run of one arm: 'counterfactual', or 'plain' on the counterfactual run's generators."""
-    extra = (["--no-counterfactual", "--generators-from", os.path.join(cli.arms_dir, f"counterfactual_seed{seed}")]
-             if arm == "plain" else [])
-    args = tyro.cli(mada_rl.Args, args=[*ARM_FLAGS, *extra, "--generator-steps", str(cli.agent_steps),
-                                        "--critic-steps", str(cli.agent_steps), "--num-eval-problems",
-                                        str(cli.num_eval_problems), "--seed", str(seed), "--output-dir", cli.arms_dir,
-                                        "--run-name", f"{arm}_seed{seed}"])
-    args.total_steps = 6 * cli.agent_steps  # filled in by main(); claim_runs compares it and finds the last eval by it
-    return args
+def critic_holds(base: dict, level: int) -> bool:
+    return [ok for label, _, ok, _ in proposal_premises(base, level) if label.startswith("responses: ")][0]
 
 
-def debate_rows(record: dict) -> list[dict]:
-    """The held-out debates of a run: before training (or, --generators-from, of the generators), after Stage 1 and
-    at the end."""
-    return [r for r in record["rows"] if "mada/eval/debate_accuracy" in r]
-
-
+# --- 5. the report -------------------------------------------------------------------------------------------------
 SHORT = 5
 """a generator whose sampled replies average fewer tokens than this at its last Stage-1 step writes no worked answer"""
 
 
-def generator_lines(runs: dict) -> list[str]:
-    """Each trained generator of a seed: its held-out greedy accuracy after Stage 1 and its sampled replies' mean
-    length in tokens at its first and last Stage-1 step (a generator that learnt to say nothing shows here, and the
-    vote and the debate read its empty proposals)."""
-    lines = ["", "The generators after Stage 1 (the counterfactual run trains them; the plain run reuses them): "
-             "held-out greedy accuracy, and the mean length of their sampled replies at their first -> last "
-             "training step (tokens).", "",
-             "| seed | " + " | ".join(f"generator {g}" for g in range(3)) + " | best generator | final debate |",
-             "|---|" + "---|" * 5]
-    notes = []
-    for (arm, seed), rec in sorted(runs.items(), key=lambda kv: kv[0][1]):
-        if arm != "counterfactual":
-            continue
-        stage1 = [r for r in rec["rows"] if r.get("mada/stage") == 1 and "rollout/completion_len" in r]
-        after = debate_rows(rec)[-2]  # after Stage 1: the generators the critics read
-        if "mada/eval/single_accuracy/gen0" not in after:
-            continue
-        acc = [after[f"mada/eval/single_accuracy/gen{g}"] for g in range(3)]
-        lens = [[r["rollout/completion_len"] for r in stage1 if r.get("mada/agent") == g] for g in range(3)]
-        cells = [f"{a:.3f} ({n[0]:.0f} -> {n[-1]:.0f})" if n else f"{a:.3f}" for a, n in zip(acc, lens)]
-        lines.append(f"| {seed} | " + " | ".join(cells) + f" | {max(acc):.3f} | "
-                     f"{debate_rows(rec)[-1]['mada/eval/debate_accuracy']:.3f} |")
-        base = debate_rows(rec)[0]["mada/eval/single_accuracy"]
-        below = sum(a < base for a in acc)
-        short = sum(bool(n) and n[-1] < SHORT for n in lens)
-        notes.append(f"seed {seed}: {below} of 3 generators end below the base model alone ({base:.3f}); {short} of 3 "
-                     f"sample replies of under {SHORT} tokens on average at their last step")
-    if len(lines) == 5:
-        return []
-    return lines + ["", "Stage 1 on this ground: " + "; ".join(notes) + ". The vote and the debate read these "
-                    "generators, so a debate above their vote is not a debate above the base model."]
+def premise_lines(sampled: dict, choice: str | None, probes: dict, lr: float | None, stage1: dict, cli) -> list[str]:
+    """The Stage-1 premise: the sampled accuracies and the chosen setting, each rate's probe and the chosen rate, and
+    each seed's Stage 1 at that rate."""
+    n_s = next(iter(sampled.values()))
+    lines = ["## The Stage-1 premise", "",
+             f"The base model's sampled accuracy on {n_s['problems']} distinct training problems x {n_s['samples']} "
+             f"samples (seed {cli.seeds[0]}'s training pool, <= {cli.max_new_tokens} new tokens, a cut reply scores "
+             f"0); it must lie in [{BAND[0]:.2f}, {BAND[1]:.2f}] so that groups are mixed. 'mixed': groups with right "
+             "and wrong samples; 'held out': distinct problems of the judged split.", "",
+             "| level | T | sampled accuracy | mixed groups | cut | held out | in the band |", "|---|" + "---|" * 6]
+    for k, c in sampled.items():
+        lines.append(f"| {c['level']} | {c['temperature']:g} | {c['accuracy']:.3f} | {c['mixed']:.2f} | "
+                     f"{c['cut']:.2f} | {c['held_out']} | {'yes' if BAND[0] <= c['accuracy'] <= BAND[1] else 'no'} |")
+    if choice is None:
+        return lines + ["", "No setting is in the band: the Stage-1 premise fails, and nothing more runs."]
+    c = sampled[choice]
+    lines += ["", f"Chosen (`choose_setting`): level {c['level']} at T = {c['temperature']:g}: sampled accuracy "
+              f"{c['accuracy']:.3f}, in the band; of the settings in the band it has the most distinct held-out "
+              f"problems ({c['held_out']}), then the most mixed groups ({c['mixed']:.2f}), then the higher "
+              "temperature.", "",
+              f"The Stage-1 probe (seed {cli.seeds[0]}): the three generators after {cli.agent_steps} steps each at "
+              "each learning rate (R = 2 R_acc + R_len, z-scored per group), held-out greedy accuracy on the judged "
+              "problems against the base model's, and the mean length of their sampled replies at their first -> last "
+              "step (tokens).", "",
+              "| rate | base | generator 0 | generator 1 | generator 2 | mean | keeps | minutes |",
+              "|---|" + "---|" * 7]
+    for rate, fig in probes.items():
+        lines.append(f"| {rate:g} | {fig['base']:.3f} | " + " | ".join(
+            f"{a:.3f} ({n0:.0f} -> {n1:.0f})" for a, (n0, n1) in zip(fig["gens"], fig["lens"]))
+            + f" | {np.mean(fig['gens']):.3f} | {'yes' if keeps(fig) else 'no'} | {fig['seconds'] / 60:.0f} |")
+    if len(probes) < len(LRS):
+        return lines + ["", f"Probes recorded: {len(probes)} of {len(LRS)}; rerun the command (without --report-only)."]
+    if lr is None:
+        return lines + ["", "No rate keeps the generators at or above the base model ('keeps': their mean at or above "
+                        "it, none below it beyond the noise of two cells): the Stage-1 premise fails, and no arm runs."]
+    won, mean = probes[lr], float(np.mean(probes[lr]["gens"]))
+    lines += ["", f"Chosen (`choose_lr`): {lr:g}, of the rates that keep the generators the one whose generators "
+              f"gained most (mean {mean:.3f} against the base model's {won['base']:.3f}; noise "
+              f"+-{margin(mean, won['base'], won['n']):.3f} for two cells of {won['n']} problems). Its probe is seed "
+              f"{cli.seeds[0]}'s Stage 1."]
+    for s, fig in stage1.items():
+        short = sum(n1 < SHORT for _, n1 in fig["lens"])
+        lines.append(f"- seed {s}, Stage 1 at {lr:g}: generators " + " / ".join(f"{a:.3f}" for a in fig["gens"])
+                     + f" against the base model's {fig['base']:.3f} ({'keeps' if keeps(fig) else 'does not keep'}; "
+                     f"{short} of 3 sample replies under {SHORT} tokens at their last step)")
+    return lines
 
 
-def arm_lines(runs: dict, cli, gates: dict) -> list[str]:
-    """The arms' table and verdicts from {(arm, seed): record}."""
-    n = cli.num_eval_problems
+def judge(seeds, a_of, b_of, n_of, failed) -> tuple[str, list[str]]:
+    """The rule: a above b beyond the noise on every seed: shown; above on all inside it, or beyond on one: partly."""
+    notes, beyond, ahead = [], [], []
+    for s in seeds:
+        a, b, n = a_of(s), b_of(s), n_of(s)
+        beyond.append(n > 0 and a - b > margin(a, b, n))
+        ahead.append(a > b)
+        notes.append(f"seed {s}: {a:.3f} against {b:.3f} ({a - b:+.3f}, noise +-{margin(a, b, max(n, 1)):.3f}, "
+                     f"{n} problems)")
+    status = "shown" if all(beyond) else "partly shown" if all(ahead) or any(beyond) else "not shown"
+    return (f"{untestable(failed)} (the rule alone: {status})" if failed else status), notes
+
+
+def arm_lines(runs: dict, stage1: dict, cli, gates: dict) -> list[str]:
+    """The arms' table and verdicts from {(arm, seed): record} and {seed: stage1_figures}."""
     f = lambda x: f"{x:.3f}"  # noqa: E731
     lines = ["", "## The arms", "",
-             f"`python mada_rl.py {' '.join(ARM_FLAGS)} --generator-steps {cli.agent_steps} --critic-steps "
-             f"{cli.agent_steps} --num-eval-problems {n} --seed S` (counterfactual), and the same with "
-             "`--no-counterfactual --generators-from <the counterfactual run>` (plain: its critics train on the same "
-             f"generators and the same problems). Greedy, {n} held-out level-{LEVEL} problems; 'base': every agent "
-             "the base model; vote: the three generators' majority; debate: round 2, mean over the three critics; "
-             "improvement: majority wrong -> critic right; break: majority right -> critic wrong; 'untrained critics': "
-             "the same debate before Stage 3 (critics = the base model), the control for a second round without "
-             "critic training.", "",
-             "| arm | seed | base single | generators single | vote | debate, untrained critics | debate | debate - "
-             "vote | improvement | break | critics beat generators (training) | minutes |", "|---|---|" + "---|" * 10]
+             "Both arms of a seed start from that seed's Stage-1 run (`--generators-from`) and read its Stage-2 draw "
+             "(its stage2.jsonl): the same generators, the same problems, the very same proposals. Greedy, on the "
+             "judged held-out problems; base: every agent the base model; vote: the three generators' majority; best "
+             "generator: the best of the three on these problems; debate: round 2, mean over the three critics; "
+             "'untrained critics': the same debate before Stage 3 (critics = the base model); improvement: vote wrong "
+             "-> critic right, on the k problems whose vote is wrong; break: vote right -> critic wrong.", "",
+             "| arm | seed | base | generators | best generator | vote | debate, untrained critics | debate | debate - "
+             "vote | improvement (k) | break | critics beat generators (training) | minutes |",
+             "|---|---|" + "---|" * 11]
     if not runs:
         return lines[:4] + ["", "No arm is recorded yet: rerun the command (without --report-only)."]
+    fin = lambda arm, s: debate_rows(runs[(arm, s)])[-1]  # noqa: E731
+    best = lambda arm, s: max(fin(arm, s)[f"mada/eval/single_accuracy/gen{g}"] for g in range(3))  # noqa: E731
+    wrong = lambda arm, s: round((1 - fin(arm, s)["mada/eval/majority_accuracy"])  # noqa: E731
+                                 * fin(arm, s)["mada/eval/problems"])
     for (arm, seed), rec in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ev, stage3 = debate_rows(rec), [r for r in rec["rows"] if r.get("mada/stage") == 3]
-        first, fin = ev[0], ev[-1]
-        base = f(first["mada/eval/single_accuracy"]) if arm == "counterfactual" else "(same)"
-        beats = sum(r["mada/beats_generators"] for r in stage3) / max(len(stage3), 1)
-        lines.append(f"| {arm} | {seed} | {base} | {f(fin['mada/eval/single_accuracy'])} | "
-                     f"{f(fin['mada/eval/majority_accuracy'])} | {f(ev[-2]['mada/eval/debate_accuracy'])} | "
-                     f"{f(fin['mada/eval/debate_accuracy'])} | "
-                     f"{fin['mada/eval/debate_accuracy'] - fin['mada/eval/majority_accuracy']:+.3f} | "
-                     f"{f(fin['mada/eval/improvement_rate'])} | {f(fin['mada/eval/break_rate'])} | {beats:+.3f} | "
-                     f"{fin.get('mada/train_time_s', rec['seconds']) / 60:.0f} |")
-    lines += generator_lines(runs)
+        end, beats = ev[-1], sum(r["mada/beats_generators"] for r in stage3) / max(len(stage3), 1)
+        base = f(stage1[seed]["base"]) if seed in stage1 else "?"
+        lines.append(f"| {arm} | {seed} | {base} | {f(end['mada/eval/single_accuracy'])} | {f(best(arm, seed))} | "
+                     f"{f(end['mada/eval/majority_accuracy'])} | {f(ev[0]['mada/eval/debate_accuracy'])} | "
+                     f"{f(end['mada/eval/debate_accuracy'])} | "
+                     f"{end['mada/eval/debate_accuracy'] - end['mada/eval/majority_accuracy']:+.3f} | "
+                     f"{f(end['mada/eval/improvement_rate'])} ({wrong(arm, seed)}) | "
+                     f"{f(end['mada/eval/break_rate'])} | "
+                     f"{beats:+.3f} | {rec['seconds'] / 60:.0f} |")
+    lines += ["", "'critics beat generators': the critics' training accuracy minus the generators' acc_G on the same "
+              "problems, mean over Stage 3 steps (sampled at the chosen T)."]
     params = next((debate_rows(r)[0] for r in runs.values()), {})
     if "mada/trainable_params_per_agent" in params:
         lines += ["", f"Trainable parameters: {params['mada/trainable_params_per_agent']:,} an agent, "
                   f"{params['mada/trainable_params_total']:,} for the six, against {params['mada/base_params']:,} "
                   "for full fine-tuning of one model (the paper: 18.5M an agent against 1.78B)."]
-    lines += ["", "'critics beat generators': the critics' training accuracy minus the generators' acc_G on the same "
-              "problems, mean over Stage 3 steps (sampled at T = 1)."]
     done = [s for s in cli.seeds if all((a, s) in runs for a in ("counterfactual", "plain"))]
-
-    def judge(seeds, a_key, b_of, name):
-        notes, beyond, ahead = [], [], []
-        for s in seeds:
-            a, b = a_key(s), b_of(s)
-            beyond.append(a - b > margin(a, b, n))
-            ahead.append(a > b)
-            notes.append(f"seed {s}: {a:.3f} against {b:.3f} ({a - b:+.3f}, noise +-{margin(a, b, n):.3f})")
-        status = "shown" if all(beyond) else "partly shown" if all(ahead) or any(beyond) else "not shown"
-        failed = gates[name][1]
-        return (f"{untestable(failed)} (the rule alone: {status})" if failed else status), notes
-
-    fin = lambda arm, s, k: debate_rows(runs[(arm, s)])[-1][f"mada/eval/{k}"]  # noqa: E731
-    debate = verdict_lines(done, cli.seeds, lambda d: judge(d, lambda s: fin("counterfactual", s, "debate_accuracy"),
-                                                            lambda s: fin("counterfactual", s, "majority_accuracy"),
-                                                            "debate"),
-                           "Debate against the vote (counterfactual arm): the debate above the generators' majority "
-                           "beyond the noise on both seeds: shown; above on both inside it, or beyond on one: partly.")
-    critic = verdict_lines(done, cli.seeds, lambda d: judge(d, lambda s: fin("counterfactual", s, "debate_accuracy"),
-                                                            lambda s: fin("plain", s, "debate_accuracy"), "critic"),
-                           "Counterfactual against plain critic advantage: the counterfactual arm's debate above the "
-                           "plain arm's, the same rule.")
-    if len(debate) > 2:
-        # the debate's ground: generators at least as good as the base model alone. Where Stage 1 left them below it
-        # on a seed, their vote is no baseline for the paper's claim, whatever the rule computes (CLAIMS.md: a run on
-        # a failed premise is reported, never as evidence)
-        alone = {s: debate_rows(runs[("counterfactual", s)])[0]["mada/eval/single_accuracy"] for s in done}
-        broken = [s for s in done if fin("counterfactual", s, "single_accuracy") < alone[s]]
-        if broken and gates["debate"][1]:  # untestable here already; the premise's failure is noted
-            debate[1] = debate[1].replace("Verdict", "Verdict, debate")
-            debate.append(f"- Stage 1 also left the generators below the base model alone on seed"
-                          f"{'s' if len(broken) > 1 else ''} {', '.join(map(str, broken))} (premise fails): " + "; ".join(
-                              f"seed {s}: debate {fin('counterfactual', s, 'debate_accuracy'):.3f}, generators "
-                              f"{fin('counterfactual', s, 'single_accuracy'):.3f}, base alone {alone[s]:.3f}"
-                              for s in done))
-        elif broken:
-            debate[1] = (f"## Verdict, debate: premise fails (Stage 1 left the generators below the base model alone "
-                         f"on seed{'s' if len(broken) > 1 else ''} {', '.join(map(str, broken))}; the rule alone would "
-                         f"say: {debate[1].split(': ', 1)[1]})")
-            debate.append("- the debate against the base model alone: " + "; ".join(
-                f"seed {s}: {fin('counterfactual', s, 'debate_accuracy'):.3f} against {alone[s]:.3f}" for s in done))
-        else:
-            debate[1] = debate[1].replace("Verdict", "Verdict, debate")
-        critic[1] = critic[1].replace("Verdict", "Verdict, critic")
-        return lines + debate + critic
-    return lines + debate
+    acc = lambda arm, s, k: fin(arm, s)[f"mada/eval/{k}"]  # noqa: E731
+    n_of = lambda s: int(fin("counterfactual", s)["mada/eval/problems"])  # noqa: E731
+    cf = lambda s: acc("counterfactual", s, "debate_accuracy")  # noqa: E731
+    verdicts = [
+        ("debate", "the debate against the vote", lambda d: judge(d, cf, lambda s: acc("counterfactual", s,
+                                                                                      "majority_accuracy"), n_of,
+                                                                   gates["debate"][1]),
+         "The counterfactual arm's debate above the generators' majority beyond the noise on both seeds: shown; above "
+         "on both inside it, or beyond on one: partly."),
+        ("debate", "the debate against the best generator", lambda d: judge(d, cf, lambda s: best("counterfactual", s),
+                                                                            n_of, gates["debate"][1]),
+         "The counterfactual arm's debate above the best single generator, the same rule."),
+        ("critic", "counterfactual against plain critics", lambda d: judge(d, cf, lambda s: acc("plain", s,
+                                                                                               "debate_accuracy"),
+                                                                           n_of, gates["critic"][1]),
+         "The counterfactual arm's debate above the plain arm's, the same rule."),
+        ("critic", "the improvement rate", lambda d: judge(d, lambda s: acc("counterfactual", s, "improvement_rate"),
+                                                           lambda s: acc("plain", s, "improvement_rate"),
+                                                           lambda s: wrong("counterfactual", s), gates["critic"][1]),
+         "The counterfactual critics' improvement rate above the plain ones', the same rule on the problems whose vote "
+         "is wrong (both arms read the same generators, so the same problems).")]
+    out = []
+    for name, what, rule_of, rule in verdicts:
+        v = verdict_lines(done, cli.seeds, rule_of, rule)
+        if len(v) <= 2:
+            return lines + v
+        v[1] = v[1].replace("## Verdict", f"## Verdict, {what}")
+        broken = [s for s in done if s in stage1 and not keeps(stage1[s])]
+        if name == "debate" and broken:  # the vote of generators Stage 1 broke is no baseline for the paper's claim
+            v[1] = v[1].replace(f"## Verdict, {what}: ", f"## Verdict, {what}: premise fails (Stage 1 did not keep "
+                                f"the generators on seed{'s' if len(broken) > 1 else ''} "
+                                f"{', '.join(map(str, broken))}); the rule alone: ")
+        out += v
+    brk = lambda arm, s: acc(arm, s, "break_rate")  # noqa: E731
+    out += ["", "Break rates (vote right -> critic wrong; the paper: it should not rise): " + "; ".join(
+        f"seed {s}: counterfactual {brk('counterfactual', s):.3f}, plain {brk('plain', s):.3f} (noise +-"
+        f"{margin(brk('counterfactual', s), brk('plain', s), max(n_of(s) - wrong('counterfactual', s), 1)):.3f})"
+        for s in done) + "."]
+    return lines + out
 
 
-def report(cols: dict, cli, grpo_record: dict, runs: dict | None = None) -> str:
-    n = cli.num_eval_problems
-    gates = {name: gate(c, {"leaks": 0, "contexts": 0}) for name, c in claims(cli, cols[BASE]).items()}
-    holds = {name: [ok for label, _, ok, _ in proposal_premises(m, LEVEL) if label.startswith("responses: ")][0]
-             for name, m in cols.items()}
-    evals = [r for r in grpo_record["rows"] if "eval/greedy_accuracy" in r]
-    lv = {k: f"{evals[0][f'eval/greedy_accuracy/level_{k}']:.3f} -> {evals[-1][f'eval/greedy_accuracy/level_{k}']:.3f}"
-          for k in (1, 2)}
-    verdict = ("premise holds on " + " and ".join(name for name, ok in holds.items() if ok) if any(holds.values())
-               else "premise fails")
-    lines = ["# MADA-RL on SmolLM2-135M-Instruct (issue 42): the critic premise", "",
-             f"`python -m benchmarks.claims.mada_rl_smollm2 --steps {cli.steps} --num-eval-problems {n}`, "
-             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). "
-             f"Greedy accuracy on {n} "
-             f"held-out level-{LEVEL} problems of testbed-nl (up to 64 new tokens; a cut answer scores 0), alone and "
-             "as a critic reading three proposals, as bare answers and as worked responses (a right one: the "
-             "problem's worked solution; a wrong one: the same with a near miss in place of the answer). 'After "
-             f"GRPO': `python grpo.py {' '.join(RECIPE)} --total-steps {cli.steps} --seed 1 --eval-every 0 "
-             f"--num-eval-problems 40` (held-out greedy accuracy level 1 {lv[1]}, level 2 {lv[2]}; "
-             f"{grpo_record['seconds'] / 60:.0f} minutes). Noise: a cell of {n} problems is "
-             f"+-{1.96 * (0.25 / n) ** 0.5:.2f} at p = 0.5 (95 %).", "",
-             *gate_section(list(gates.values()), list(gates)),
-             f"## Verdict: {verdict}", "",
-             "The premise (issue 42): with critics reading the generators' responses, 1 of 3 right lifts accuracy by "
-             ">= 0.10 over answering alone. " + " ".join(
-                 f"{name}: {one:.3f} against {alone:.3f} alone ({'holds' if ok else 'fails'}; the difference "
-                 f"{one - alone:+.3f} is {'beyond' if abs(one - alone) > margin(one, alone, n) else 'within'} the "
-                 f"+-{margin(one, alone, n):.3f} of two cells of {n} problems)."
-                 for name, ok in holds.items()
-                 for one, alone in [(cols[name][f"L{LEVEL}, 1 of 3 responses right"], cols[name][f"L{LEVEL}"])]),
-             "", "| premise | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    rows = {name: proposal_premises(m, LEVEL) for name, m in cols.items()}
-    for i, (label, _, _, _) in enumerate(rows[next(iter(cols))]):
-        lines.append(f"| {label} | " + " | ".join(f"{rows[c][i][1]} {'pass' if rows[c][i][2] else '**fail**'}"
-                                                  for c in cols) + " |")
-    lines += ["", "| cell | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for k in [k for k in cols[next(iter(cols))] if k.startswith("L")]:
-        lines.append(f"| {k} | " + " | ".join(f"{cols[c][k]:.3f}" for c in cols) + " |")
-    if holds[BASE]:
-        lines += arm_lines(runs or {}, cli, gates)
+def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cells: dict | None, runs: dict,
+           records: list) -> str:
+    minutes = sum(r["seconds"] for r in records) / 60 + sum(c["seconds"] for c in sampled.values()) / 60
+    lines = ["# MADA-RL on SmolLM2-135M-Instruct (issues 42, 62): Stage 1 first", "",
+             f"`python -m benchmarks.claims.mada_rl_smollm2 --num-eval-problems {cli.num_eval_problems} --agent-steps "
+             f"{cli.agent_steps} --seeds {' '.join(map(str, cli.seeds))}`, {time.strftime('%Y-%m-%d')}, "
+             f"{os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s), {minutes:.0f} minutes of runs "
+             f"recorded. Runs: `python mada_rl.py {' '.join(ARM_FLAGS)} --levels L --temperature T "
+             f"--proposal-temperature T --learning-rate LR --num-prompts {cli.num_prompts} --group-size "
+             f"{cli.group_size} --max-new-tokens {cli.max_new_tokens} --num-train-problems {cli.num_train_problems} "
+             f"--num-eval-problems {cli.num_eval_problems} --generator-steps {cli.agent_steps} --seed S` with "
+             "`--critic-steps 0 --debate-rounds 1` (Stage 1), then `--critic-steps "
+             f"{cli.agent_steps} --generators-from <that run>` with and without `--no-counterfactual` (the arms). "
+             "Noise: a cell of 40 problems is +-0.15 at p = 0.5 (95 %), of 20 +-0.22.", ""]
+    level = sampled[choice]["level"] if choice else None
+    if choice and lr is not None and all(s in stage1 for s in cli.seeds):
+        gates = gates_of(cli, level, stage1)
+        lines += gate_section(list(gates.values()), list(gates))
     else:
-        lines += ["", "With the premise failing on both models the training arms of the claim (debate against the "
-                  "generators' vote, counterfactual against plain critic advantages) were not run: neither outcome "
-                  "could count for or against the paper on this ground."]
-    return "\n".join(lines) + "\n"
+        gates = None
+        lines += ["## The gate (benchmarks/claims/claim_runs.py, before any arm trains)", "",
+                  "Not yet: it needs every seed's Stage 1 (the base model's start and acc_G come from those runs).", ""]
+    lines += premise_lines(sampled, choice, probes, lr, stage1, cli)
+    if choice is None or lr is None:
+        why = (f"no level and temperature gives a sampled accuracy in [{BAND[0]:.2f}, {BAND[1]:.2f}] ("
+               + ", ".join(f"{k} {c['accuracy']:.3f}" for k, c in sampled.items()) + ")" if choice is None else
+               "no learning rate keeps the generators at or above the base model after Stage 1 (" + "; ".join(
+                   f"{r:g}: " + " / ".join(f"{a:.3f}" for a in fig["gens"]) + f" against {fig['base']:.3f}"
+                   for r, fig in probes.items()) + ")")
+        if choice is None or len(probes) == len(LRS):
+            lines += ["", f"## Verdict: untestable here: the Stage-1 premise fails: {why}", "",
+                      "No arm ran: a debate of broken generators, or of generators whose groups hold no signal, could "
+                      "count neither for nor against the paper."]
+        return "\n".join(lines) + "\n"
+    if base_cells is not None:
+        lines += ["", f"## The critic premise on level {level} (issue 42)", "",
+                  f"The base model's greedy accuracy on {cli.num_eval_problems} held-out level-{level} problems (seed "
+                  "0, benchmarks/premises/testbed_premises.py `proposal_cells`) alone and as a critic reading three "
+                  "proposals (a right one: the worked solution; a wrong one: the same with a near miss); the arms run "
+                  "where 1 of 3 right responses lifts it by >= 0.10.", "",
+                  "| premise | figures | |", "|---|---|---|"]
+        lines += [f"| {label} | {fig} | {'pass' if ok else '**fail**'} |"
+                  for label, fig, ok, _ in proposal_premises(base_cells, level)]
+        if not critic_holds(base_cells, level):
+            return "\n".join(lines + ["", "## Verdict: premise fails (the critics do not use a right proposal): no "
+                                      "arm ran."]) + "\n"
+    if gates is None:
+        return "\n".join(lines + ["", "Incomplete: the Stage-1 runs of seeds " + ", ".join(
+            str(s) for s in cli.seeds if s not in stage1) + " are missing; rerun the command."]) + "\n"
+    return "\n".join(lines + arm_lines(runs, stage1, cli, gates)) + "\n"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps of the 'after' model")
-    p.add_argument("--num-eval-problems", type=int, default=40, help="held-out level-2 problems a cell")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "mada_rl_smollm2.md"))
-    p.add_argument("--output-dir", default=os.path.join(ROOT, START), help="the GRPO run's folder")
-    p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds of the arms")
+    p.add_argument("--num-eval-problems", type=int, default=40, help="held-out problems (level 1 has 20)")
     p.add_argument("--agent-steps", type=int, default=10, help="training steps of each generator and each critic")
-    p.add_argument("--arms-dir", default=os.path.join("runs", "mada_smollm2"), help="the arms' run folders")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds of Stage 1 and the arms")
+    p.add_argument("--sampled-problems", type=int, default=SAMPLED[0], help="the sampled premise's problems")
+    p.add_argument("--samples", type=int, default=SAMPLED[1], help="the sampled premise's samples a problem")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts a step")
+    p.add_argument("--group-size", type=int, default=8, help="samples a prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="a level-2 worked solution is 49-55 tokens")
+    p.add_argument("--num-train-problems", type=int, default=360, help="before the six-way split (level 1: 61 "
+                   "distinct)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "mada_rl_smollm2.md"))
+    p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")
+    p.add_argument("--arms-dir", default=os.path.join("runs", "mada_smollm2"), help="the runs' folders")
+    p.add_argument("--premise-only", action="store_true", help="the sampled premise, critic cells and probes only")
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
-    os.chdir(ROOT)  # the plain arm's --generators-from is relative: records made in one clone are read in another
-    n = cli.num_eval_problems
-    base = cached(os.path.join(cli.records, "cells_base.json"), {"n": n}, lambda: cells(path_of(MODEL), n),
-                  make=not cli.report_only)
-    record = finished_run(grpo, start_args(cli.steps, cli.output_dir), cli.records,
-                          lambda run_dir: {"cells": cells(os.path.join(run_dir, "checkpoint"), n), "n": n},
-                          make=not cli.report_only)
-    if record["measured"]["n"] != n:  # the cells of the trained model need its weights, which only the run has
-        raise SystemExit(f"error: {cli.records}/grpo_seed1.json holds cells of {record['measured']['n']} problems, "
-                         f"not {n}: move it aside to rerun the GRPO run")
-    cols = {BASE: base, "after GRPO (seed 1)": record["measured"]["cells"]}
-    runs = {}
-    holds = [ok for label, _, ok, _ in proposal_premises(base, LEVEL) if label.startswith("responses: ")][0]
-    for seed in cli.seeds if holds else []:  # the critics start from the base model: its premise gates the arms
-        for arm in ("counterfactual", "plain"):
-            args = arm_args(arm, seed, cli)
-            if cli.report_only and not os.path.exists(os.path.join(cli.records, f"{args.run_name}.json")):
+    os.chdir(ROOT)  # --generators-from is relative: records made in one clone are read in another
+    make = not cli.report_only
+    settings = {k: getattr(cli, k) for k in ("sampled_problems", "samples", "max_new_tokens", "num_train_problems",
+                                              "num_eval_problems", "seeds")}
+    sampled = cached(os.path.join(cli.records, "stage1_sampled.json"), settings, lambda: sampled_cells(cli), make)
+    sampled = {k: v for k, v in sampled.items() if k.startswith("L")}
+    choice, records, probes, stage1, runs, lr, base_cells = choose_setting(sampled), {}, {}, {}, {}, None, None
+
+    def record(args, weights=False):  # a run's record; None in a report when it is not recorded
+        try:
+            rec = finished_run(mada_rl, args, cli.records, stage_2_draw if "stage1" in args.run_name else None,
+                               weights=weights and make, make=make)
+        except SystemExit:
+            if make:
+                raise
+            return None
+        records[args.run_name] = rec
+        return rec
+
+    def write():
+        text = report(cli, sampled, choice, probes, lr, stage1, base_cells, runs, list(records.values()))
+        with open(cli.out, "w") as f:
+            f.write(text)
+        return text
+
+    if choice is not None:
+        level, temp = sampled[choice]["level"], sampled[choice]["temperature"]
+        try:
+            base_cells = cached(os.path.join(cli.records, f"cells_base_L{level}.json"),
+                                {"n": cli.num_eval_problems, "level": level},
+                                lambda: cells(level, cli.num_eval_problems), make)
+        except SystemExit:
+            if make:
+                raise
+        for rate in LRS:
+            rec = record(run_args(cli, level, temp, rate, cli.seeds[0]))
+            if rec is not None:
+                probes[rate] = {**stage1_figures(rec), "seconds": rec["seconds"]}
+            write()
+        lr = choose_lr(probes) if len(probes) == len(LRS) else None
+        if lr is not None:
+            stage1[cli.seeds[0]] = probes[lr]
+        for seed in cli.seeds[1:] if lr is not None and not cli.premise_only else []:
+            rec = record(run_args(cli, level, temp, lr, seed))
+            if rec is not None:
+                stage1[seed] = stage1_figures(rec)
+            write()
+        ready = lr is not None and base_cells is not None and critic_holds(base_cells, level)
+        for seed in cli.seeds if ready and not cli.premise_only else []:
+            if seed not in stage1:
                 continue
-            plain_missing = not os.path.exists(os.path.join(cli.records, f"plain_seed{seed}.json"))
-            runs[(arm, seed)] = finished_run(mada_rl, args, cli.records,
-                                             weights=arm == "counterfactual" and plain_missing and not cli.report_only,
-                                             make=not cli.report_only)
-            with open(cli.out, "w") as f:
-                f.write(report(cols, cli, record, runs))
-    text = report(cols, cli, record, runs)
-    with open(cli.out, "w") as f:
-        f.write(text)
-    print(text)
+            if make and not all(os.path.exists(os.path.join(cli.records, f"{a}_seed{seed}.json"))
+                                for a in ("counterfactual", "plain")):
+                rec = record(run_args(cli, level, temp, lr, seed), weights=True)  # its folder: the arms start from it
+                stage1[seed] = {**stage1_figures(rec), "seconds": rec["seconds"]}  # a rerun (no folder) is this run
+                if seed == cli.seeds[0]:
+                    probes[lr] = stage1[seed]
+            for arm in ("counterfactual", "plain"):
+                rec = record(run_args(cli, level, temp, lr, seed, arm))
+                if rec is not None:
+                    runs[(arm, seed)] = rec
+                write()
+    print(write())
 
 
 if __name__ == "__main__":
