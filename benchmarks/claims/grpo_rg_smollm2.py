@@ -226,6 +226,9 @@ def main():
         a, b = final[f"grpo.py seed {s}"], final[f"TRL seed {s}"]
         notes.append(f"seed {s}, grpo.py against TRL at the last step: {a:.3f} against {b:.3f} ({a - b:+.3f}; the "
                      f"noise rule's margin at {the_claim.n} distinct problems: {margin(a, b, the_claim.n):.3f})")
+    lines += ["", "Step times and minutes are as measured, on a machine shared with other jobs (helpers, other benchmarks, "
+              "a test run), not side by side: they do not compare speed. The alternating side-by-side throughput of the "
+              "two on this model is benchmarks/speed/trl_throughput_smollm2.md."]
     lines += ["", "Noise: each figure is one seed's greedy accuracy on its held-out problems; a difference between two "
               "figures is beyond the noise when above the margin given (95 %, two proportions, ../shared/CLAIMS.md, "
               "at the smallest seed's distinct questions).", "", *[f"- {x}" for x in notes]]
