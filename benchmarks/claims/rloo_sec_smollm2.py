@@ -19,6 +19,10 @@ The risk said in advance: at temperature 1 the base model rarely answers level 2
 committed SmolLM2 runs score 0.00-0.06 on levels 1-2, 1-3 and 2, benchmarks/claims/runs/), and at p = 0.03 the expected
 share is 0.36 (+2.3 prompts, 0.015 of accuracy): both power lines then fail, and the bandit can act only once training
 lifts level 2's sampled success (about 0.12 is needed over 20 steps).
+Measured (2026-12-04, `--gate-only`): the base model's sampled level-2 success is 0.019, so the gate fails on both
+power lines (expected share 0.352). `--start grpo` starts both arms from the post-GRPO model instead (STARTS: level 2
+greedy 0.525 there, levels 3 and 5 still dead), where level 2 is live from the first step; its records and runs are
+named with a "grpo-start_" prefix.
 
 The budget: about 90 minutes of this 2-core CPU for 2 arms x 2 seeds at `--steps 20`: the starts (greedy on 200
 level-2 problems and 4 samples on 40 of them, 2 seeds) about 5 minutes; a run about 20 minutes (20 steps of 4 prompts x
@@ -65,7 +69,7 @@ from benchmarks.claims.claim_runs import (Claim, cached, finished_run, gate, gat
 
 MODEL, LIVE, LEVELS = "smollm2-135m-instruct", 2, (2, 3, 5)
 PROMPTS, GROUP, MAX_NEW = 4, 8, 48
-RECIPE = ["--model-name", MODEL, "--dataset", "testbed-nl", "--levels", *map(str, LEVELS), "--num-prompts",
+RECIPE = ["--dataset", "testbed-nl", "--levels", *map(str, LEVELS), "--num-prompts",
           str(PROMPTS), "--group-size", str(GROUP), "--max-new-tokens", str(MAX_NEW), "--micro-batch-size", "16",
           "--share-prompt", "--learning-rate", "2e-5", "--eval-samples", "0", "--log-samples", "4",
           "--eval-every", "0", "--save-every", "5"]
@@ -80,6 +84,27 @@ GAIN_PER_PROMPT = 0.40 / 60
 1-2: +0.550 and +0.250 on seeds 1 and 2 in 30 steps of 4 prompts, about 60 of them level 2), the accuracy gain an extra
 level-2 prompt is taken to give (linear, and all of that run's gain put on its level-2 prompts)"""
 RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "rloo_sec_smollm2")
+STARTS = {"base": MODEL, "grpo": os.path.join("runs", "smollm2_start", "grpo_seed1", "checkpoint")}
+"""both arms' start (--start): the base model, or the post-GRPO model of the other SmolLM2 claims
+(benchmarks/claims/grpo_smollm2.start_args: 30 steps on levels 1-2, level 2 greedy 0.525, levels 3 and 5 still at
+0.000 / 0.025), whose sampled level-2 success gives the bandit a live arm from the first step (the base model's is
+0.019: the gate's mechanism line fails there)"""
+
+
+def start_model(start: str) -> str:
+    """The --model-name of both arms; the post-GRPO start is trained first where this checkout lacks it (about 16
+    minutes on one thread; recorded as grpo_seed1.json in RECORDS)."""
+    if start == "grpo" and not os.path.isdir(STARTS["grpo"]):
+        import grpo
+        from benchmarks.claims.grpo_smollm2 import start_args
+
+        finished_run(grpo, start_args(), RECORDS, weights=True)
+    return STARTS[start]
+
+
+def tagged(start: str, name: str) -> str:
+    """A record's or run's name under --start: the base model's keep their names, others are prefixed."""
+    return name if start == "base" else f"{start}-start_{name}"
 
 
 # --- the mechanism's power: what SEC's own update rule does with one live level and two dead ones ------------------
@@ -164,7 +189,7 @@ def mechanism_gate(p0: float, steps: int, prompts: int = PROMPTS) -> tuple[list[
             f"its sampled success p (2p(1-p)) and levels 3 and 5 returned 0, SEC's own update (rloo_sec.arm_probs, "
             f"td_update: tau {TAU}, alpha {ALPHA}, {prompts} prompts a step) would draw level 2 with an expected share "
             f"of {m['run']:.3f} over the {steps} steps ({m['last']:.3f} at the last), against 1/3 for uniform: "
-            f"{m['extra']:+.1f} level-2 prompts of {steps * prompts}, at the base model's p = {p0:.3f} (p = 0.2: "
+            f"{m['extra']:+.1f} level-2 prompts of {steps * prompts}, at the start's p = {p0:.3f} (p = 0.2: "
             f"{at[0.2]['run']:.3f}, {at[0.2]['extra']:+.1f}; p = 0.4: {at[0.4]['run']:.3f}, {at[0.4]['extra']:+.1f}); "
             f"uniform's share of {steps * prompts} draws is 1/3 +-{m['noise']:.3f}, which SEC's clears from p = "
             f"{need if need is not None else 'none up to 0.5'}: {'pass' if ok else '**fail**'}")
@@ -195,17 +220,17 @@ def level2(model_path: str, n: int, seed: int, sampled: tuple[int, int] = (0, 0)
     return out
 
 
-def start_record(path: str, n: int, seed: int, make: bool = True) -> dict:
-    """`level2` of the base model (both arms' start), with its sampled success, kept in the record `path`."""
+def start_record(path: str, n: int, seed: int, make: bool = True, start: str = "base") -> dict:
+    """`level2` of both arms' start (--start), with its sampled success, kept in the record `path`."""
     sampled = (min(SAMPLED[0], n), SAMPLED[1])
 
     def measure():
         from grounds import path_of
 
-        return level2(path_of(MODEL), n, seed, sampled)
+        return level2(path_of(MODEL) if start == "base" else start_model(start), n, seed, sampled)
 
-    return cached(path, {"level": LIVE, "n": n, "seed": seed, "max_new_tokens": MAX_NEW, "sampled": list(sampled)},
-                  measure, make)
+    settings = {"level": LIVE, "n": n, "seed": seed, "max_new_tokens": MAX_NEW, "sampled": list(sampled)}
+    return cached(path, settings if start == "base" else {**settings, "start": STARTS[start]}, measure, make)
 
 
 def claim(start: dict, p0: float, steps: int) -> Claim:
@@ -216,9 +241,9 @@ def claim(start: dict, p0: float, steps: int) -> Claim:
     return Claim(split=f"held-out level 2, {n} problems (greedy, {MAX_NEW} new tokens)",
                  n=min(r["distinct"] for r in start.values()), seeds=list(start),
                  start={s: r["eval/greedy_accuracy"] for s, r in start.items()},
-                 start_is="greedy accuracy of the base model (both arms' start)", effect=GAIN_PER_PROMPT * extra,
-                 effect_is=f"plausible: the {extra:.1f} extra level-2 prompts of the mechanism line at the base "
-                           f"model's p, x {GAIN_PER_PROMPT:.4f} a level-2 prompt (grpo_smollm2's level-2 gain, +0.40 "
+                 start_is="greedy accuracy of the start (both arms')", effect=GAIN_PER_PROMPT * extra,
+                 effect_is=f"plausible: the {extra:.1f} extra level-2 prompts of the mechanism line at the start's "
+                           f"p, x {GAIN_PER_PROMPT:.4f} a level-2 prompt (grpo_smollm2's level-2 gain, +0.40 "
                            "over about 60)")
 
 
@@ -226,7 +251,7 @@ def claim(start: dict, p0: float, steps: int) -> Claim:
 def run_args(cli, flags: list, arm: str, seed: int) -> rloo_sec.Args:
     """rloo_sec.py's arguments for one arm and seed; its run is recorded as <run name>.json in --records."""
     return tyro.cli(rloo_sec.Args, args=[*flags, *ARMS[arm], "--seed", str(seed), "--output-dir", cli.output_dir,
-                                         "--run-name", f"{arm}_seed{seed}"])
+                                         "--run-name", tagged(cli.start, f"{arm}_seed{seed}")])
 
 
 def summarise(record: dict, start: dict) -> dict:
@@ -386,13 +411,16 @@ def main():
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "rloo_sec_smollm2.png"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_smollm2"), help="run folders")
     p.add_argument("--records", default=RECORDS, help="the starts' and the finished runs' records (committed)")
+    p.add_argument("--start", choices=list(STARTS), default="base",
+                   help="both arms' start: the base model, or the post-GRPO model (STARTS)")
     p.add_argument("--gate-only", action="store_true",
                    help="measure the gate (the starts) and write the report with it from the records; train nothing")
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
-    flags = [*RECIPE, "--total-steps", str(cli.steps), "--num-eval-problems", str(cli.num_eval_problems)]
-    start = {s: start_record(os.path.join(cli.records, f"start_seed{s}.json"), cli.judge_problems, s,
-                             make=not cli.report_only) for s in cli.seeds}
+    flags = ["--model-name", STARTS[cli.start], *RECIPE, "--total-steps", str(cli.steps), "--num-eval-problems",
+             str(cli.num_eval_problems)]
+    start = {s: start_record(os.path.join(cli.records, tagged(cli.start, f"start_seed{s}.json")), cli.judge_problems,
+                             s, make=not cli.report_only, start=cli.start) for s in cli.seeds}
     p0 = float(np.mean([r["sampled"] for r in start.values()]))
     declared = claim(start, p0, cli.steps)
     lines, failed = gate(declared, {"leaks": 0, "contexts": 0})
