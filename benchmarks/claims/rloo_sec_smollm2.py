@@ -359,8 +359,8 @@ def report(res: dict, cli, flags: list, section: list, failed: list, n_judged: i
               f"Share of the prompts drawn from each level (rloo_sec.py's sec/level_frac), by windows of {width} steps "
               "and over the run; SEC's pi(level) is the bandit's probability at the last step (sec/prob; uniform's is "
               "1/3 whatever its Q). The mechanism line expected level 2 at "
-              + ", ".join(f"{x:.2f}" for x in windows(live_shares(p0, cli.steps))) + " by window at the base "
-              f"model's p = {p0:.3f}.", "",
+              + ", ".join(f"{x:.2f}" for x in windows(live_shares(p0, cli.steps))) + " by window at the start's "
+              f"p = {p0:.3f} (start: {STARTS[cli.start]}).", "",
               f"| arm | seed | level | steps {' | '.join(spans)} | run | final pi |",
               "|---|---|---|" + "---|" * (len(spans) + 2)]
     for (arm, seed), r in res.items():
