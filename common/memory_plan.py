@@ -455,6 +455,11 @@ def render(name: str, m: Shape, holds: Holds, s: Setup, frozen: list, prompt_not
     lines.append(f"device: {gb(s.device_bytes)} ({device_note}), {gb(usable)} usable ({RESERVE:.0%} kept for what the "
                  f"plan does not count): " + ("fits" if top <= usable else "does not fit; " +
                                               suggest(m, holds, s, frozen, usable)))
+    if top > usable and prompt_note.startswith("assumed"):  # the usual cause on short-prompt data: say what it costs
+        shorter = [(p, peak(phases(m, holds, replace(s, prompt=p), frozen))[1]) for p in (1024, 512, 256, 128)
+                   if p < s.prompt]
+        lines.append(f"the {s.prompt:,}-token prompts are assumed, not read from your data; the peak with "
+                     "--max-prompt-tokens " + ", ".join(f"{p}: {gb(x)}" for p, x in shorter))
     return lines, top <= usable
 
 

@@ -206,6 +206,14 @@ def test_fit_and_the_suggested_flag_that_makes_it_fit(tmp_path):
     # vLLM: a share too small for its own weights is named
     lines, _ = mp.render("q", shape, mp.Holds(), replace(s, backend="vllm", vllm_share=0.02), [])
     assert any("cannot hold its weights and one sequence's KV cache" in ln for ln in lines)
+    # an assumed prompt length that does not fit: the peak at shorter --max-prompt-tokens, each below the last
+    long = replace(s, prompt=2048, checkpointing=True, micro_batch=16, device_bytes=40e9)
+    lines, ok = mp.render("q", shape, mp.Holds(), long, [], prompt_note="assumed: set --max-prompt-tokens")
+    peaks = [mp.peak(mp.phases(shape, mp.Holds(), replace(long, prompt=p), []))[1] for p in (1024, 512, 256, 128)]
+    said = ", ".join(f"{p}: {mp.gb(x)}" for p, x in zip((1024, 512, 256, 128), peaks))
+    assert ok is False and lines[-1].endswith(said)
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] < mp.peak(mp.phases(shape, mp.Holds(), long, []))[1]
+    assert "assumed" not in mp.render("q", shape, mp.Holds(), long, [], prompt_note="--max-prompt-tokens")[0][-1]
 
 
 def test_plan_memory_exits_with_the_fit_and_says_nothing_without_the_flag(tmp_path, capsys):
