@@ -19,7 +19,6 @@ and whether the planned problems can show the gain the claim needs (power); GRPO
 """
 
 import argparse
-import json
 import os
 import time
 
@@ -28,6 +27,7 @@ import tyro
 import grpo
 from benchmarks import ROOT
 from benchmarks.claims.claim_runs import Claim, cached, finished_run, gate, gate_section, margin
+from benchmarks.claims.grpo_smollm2 import greedy_answers
 
 MODEL, DATASET, LEVELS = "smollm2-135m-instruct", "rg:chain_sum", (0,)
 PROMPTS, GROUP, MAX_NEW, LR, MICRO = 4, 8, 128, 2e-5, 16
@@ -234,15 +234,12 @@ def main():
               "at the smallest seed's distinct questions).", "", *[f"- {x}" for x in notes]]
     if ours:
         run_dir = os.path.join(cli.output_dir, f"seed{cli.seeds[0]}")
-        path = os.path.join(run_dir, "samples.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                rows = [r for r in map(json.loads, f) if r["kind"] == "eval"]
+        if os.path.exists(os.path.join(run_dir, "samples.jsonl")):
             lines += ["", f"Greedy answers of the first held-out problems, before and after (grpo.py seed {cli.seeds[0]}):",
                       ""]
             for label, step in (("before", 0), ("after", cli.steps)):
                 lines += [f"- {label}, gold {r['gold']}: `{r['completion'][:160]!r}`"
-                          for r in rows if r["step"] == step][:3]
+                          for r in greedy_answers(run_dir, step)[:3]]
     text = "\n".join(lines) + "\n"
     print(text)
     with open(cli.out, "w") as f:
