@@ -71,7 +71,7 @@ MODEL, LIVE, LEVELS = "smollm2-135m-instruct", 2, (2, 3, 5)
 PROMPTS, GROUP, MAX_NEW = 4, 8, 48
 RECIPE = ["--dataset", "testbed-nl", "--levels", *map(str, LEVELS), "--num-prompts",
           str(PROMPTS), "--group-size", str(GROUP), "--max-new-tokens", str(MAX_NEW), "--micro-batch-size", "16",
-          "--share-prompt", "--learning-rate", "2e-5", "--eval-samples", "0", "--log-samples", "4",
+          "--share-prompt", "--eval-samples", "0", "--log-samples", "4",
           "--eval-every", "0", "--save-every", "5"]
 ARMS = {"sec": ["--curriculum", "label"], "uniform": ["--curriculum", "uniform"]}
 SHOWN = {"sec": "SEC", "uniform": "uniform"}
@@ -105,6 +105,20 @@ def start_model(start: str) -> str:
 def tagged(start: str, name: str) -> str:
     """A record's or run's name under --start: the base model's keep their names, others are prefixed."""
     return name if start == "base" else f"{start}-start_{name}"
+
+
+LR = 2e-5
+"""both arms' learning rate unless --learning-rate says otherwise (the other SmolLM2 claims' full fine-tuning rate)"""
+
+
+def lr_tagged(lr: float, name: str) -> str:
+    """A run's name at --learning-rate lr: the default rate's runs keep their names, others carry the rate, so the
+    records at several rates stay side by side.
+
+    >>> lr_tagged(2e-5, "sec_seed1"), lr_tagged(5e-6, "sec_seed1")
+    ('sec_seed1', 'lr5e-06_sec_seed1')
+    """
+    return name if lr == LR else f"lr{lr:g}_{name}"
 
 
 # --- the mechanism's power: what SEC's own update rule does with one live level and two dead ones ------------------
@@ -250,8 +264,9 @@ def claim(start: dict, p0: float, steps: int) -> Claim:
 # --- the runs and the report -----------------------------------------------------------------------------------------
 def run_args(cli, flags: list, arm: str, seed: int) -> rloo_sec.Args:
     """rloo_sec.py's arguments for one arm and seed; its run is recorded as <run name>.json in --records."""
+    name = tagged(cli.start, lr_tagged(cli.learning_rate, f"{arm}_seed{seed}"))
     return tyro.cli(rloo_sec.Args, args=[*flags, *ARMS[arm], "--seed", str(seed), "--output-dir", cli.output_dir,
-                                         "--run-name", tagged(cli.start, f"{arm}_seed{seed}")])
+                                         "--run-name", name])
 
 
 def summarise(record: dict, start: dict) -> dict:
@@ -413,12 +428,14 @@ def main():
     p.add_argument("--records", default=RECORDS, help="the starts' and the finished runs' records (committed)")
     p.add_argument("--start", choices=list(STARTS), default="base",
                    help="both arms' start: the base model, or the post-GRPO model (STARTS)")
+    p.add_argument("--learning-rate", type=float, default=LR,
+                   help="both arms' learning rate; runs at another rate than LR are named with it")
     p.add_argument("--gate-only", action="store_true",
                    help="measure the gate (the starts) and write the report with it from the records; train nothing")
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
-    flags = ["--model-name", STARTS[cli.start], *RECIPE, "--total-steps", str(cli.steps), "--num-eval-problems",
-             str(cli.num_eval_problems)]
+    flags = ["--model-name", STARTS[cli.start], *RECIPE, "--learning-rate", f"{cli.learning_rate:g}", "--total-steps",
+             str(cli.steps), "--num-eval-problems", str(cli.num_eval_problems)]
     start = {s: start_record(os.path.join(cli.records, tagged(cli.start, f"start_seed{s}.json")), cli.judge_problems,
                              s, make=not cli.report_only, start=cli.start) for s in cli.seeds}
     p0 = float(np.mean([r["sampled"] for r in start.values()]))
