@@ -207,6 +207,21 @@ def test_the_claim_reads_the_premise_records_and_never_measures_them(tmp_path):
         premise.recorded_cells(records)
 
 
+def test_oc_grpo_premise_copies_a_cell_only_where_every_guided_prompt_is_the_same():
+    """testbed-nl's guidance stops before the result step, so on level 3's two-step solutions 0.75 gives 0.5's text:
+    that cell is the same measurement; level 2's three-step solutions differ."""
+    from benchmarks.premises.oc_grpo_premise_smollm2 import same_prompts
+    from common.data import load_problems
+    from common.models import load_tokenizer
+    from grounds import path_of
+
+    tokenizer = load_tokenizer(path_of("smollm2-135m-instruct"))
+    for lv, twin in ((3, 0.5), (2, None)):
+        problems = load_problems("testbed-nl", "test", (lv,), 40, 1)
+        cells = {(lv, 0.0): premise_cell(0.1), (lv, 0.25): premise_cell(0.1), (lv, 0.5): premise_cell(0.1)}
+        assert same_prompts(cells, problems, tokenizer, lv, 0.75) == twin
+
+
 def test_adakp_verdict_needs_both_baselines_beaten_beyond_the_noise_on_both_seeds():
     from benchmarks.claims.adakp_smollm2 import verdict
 
