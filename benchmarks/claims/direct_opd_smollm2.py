@@ -15,7 +15,9 @@ testbed-nl levels 1-3, is chosen step by step, each by a rule in code from the r
    levels 1-2's training prompts: the teacher's first rollouts), drawn once at the largest candidate (48, 96, 128, 192;
    192 beyond the issue's three, in case 128 still cuts); the share with no end of turn within each cap. The smallest
    cap that cuts under 10 % is the pair's RL's, and the arms' and the cells' (at least 64: a level-2 worked solution is
-   49-55 tokens). None does: "untestable here", nothing more runs.
+   49-55 tokens). None does: "untestable here", nothing more runs. Measured, not read from records: those under
+   benchmarks/ hold levels 1-2's sampled replies at 48 tokens only (the last pair's first two steps: 62 % and 53 %
+   cut); grpo_rg_smollm2's at 128 are another task.
 2. The pair: pre = the base model, post = its GRPO run on levels 1-2 at that cap (grpo_smollm2's `start_args` recipe
    otherwise: seed 1, 30 steps, lr 2e-5; the teacher's recipe, which lifted it: the learning-rate question is the
    student's). Its greedy accuracy and reply length per level, pre and post (`level_cells`, 40 held-out problems a level
@@ -412,12 +414,15 @@ def report(cli, st: dict) -> str:
     lines = ["# Direct-OPD on SmolLM2-135M-Instruct (issues 41, 63)", "",
              f"`python -m benchmarks.claims.direct_opd_smollm2 --seeds {' '.join(map(str, cli.seeds))} --steps "
              f"{cli.steps} --lrs {' '.join(f'{x:g}' for x in cli.lrs)} --sft-candidates "
-             f"{' '.join(map(str, cli.sft_candidates))} --caps {' '.join(map(str, cli.caps))}`, "
+             f"{' '.join(map(str, cli.sft_candidates))} --caps {' '.join(map(str, cli.caps))}"
+             f"{f' --num-eval-problems {cli.num_eval_problems}' if cli.num_eval_problems else ''}`, "
              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s). "
              "The ground and its rules: the module docstring. Held-out greedy accuracy; a group's accuracy weights its "
              "levels by their distinct problems (level 1 has 20 sums); noise: claim_runs.margin, the 95 % interval of "
              "a difference of two accuracies.", ""]
     lines += st.get("gate", ["## The gate", "", "Not reached.", ""])
+    if "stop" in st:
+        lines += [f"## Verdict: {st['stop']}", ""]
     if "probes" in st:
         lines += ["## The learning rate", "",
                   f"GRPO on the student with the true verifier, seed {cli.seeds[0]}, {cli.steps} steps, the arms' "
@@ -465,7 +470,8 @@ def report(cli, st: dict) -> str:
                              [[k, f"{v['lift']:.3f}", f"{v['hold']:.3f}" if v["hold"] is not None else "-",
                                "yes" if cli.band[0] <= v["lift"] <= cli.band[1] else "no"]
                               for k, v in st["students"].items()]), ""]
-            lines += [f"The student: {st['sft']} supervised steps (the most in the band)." if st.get("sft") else
+            lines += [f"The student: {st['sft']} supervised steps (the most in the band: the strongest student that "
+                      "leaves the shift room)." if st.get("sft") else
                       "## Verdict: untestable here: no student candidate lies in the band on the lift group; no arm "
                       "ran.", ""]
             if st.get("premise"):
@@ -559,6 +565,7 @@ def stages(cli, make: bool, st: dict, write) -> None:
     groups = st["groups"] = {"lift": lift, "hold": hold}
     if not lift:
         st["gate"] = ["## The gate", "", "Gate: untestable here: the pair's RL lifted no level beyond the noise.", ""]
+        st["stop"] = "untestable here: the pair's RL lifted no level beyond the noise; no student was trained"
         return
     # 3. the student
     dirs = {k: os.path.join(cli.output_dir, f"student_sft{k}") for k in cli.sft_candidates}
@@ -576,7 +583,7 @@ def stages(cli, make: bool, st: dict, write) -> None:
         above = on(s_cells, "hold") > on(cells["post teacher"], "hold")
         st["premise"] = (f"Where the pair is weak (the hold group) the student {'beats' if above else 'does not beat'} "
                          f"the post teacher: {on(s_cells, 'hold'):.3f} against {on(cells['post teacher'], 'hold'):.3f} "
-                         f"(reported, not gated; on the lift group the band keeps it at or below the teacher).")
+                         f"(reported, not gated: on the lift group the band, not this premise, decides).")
     # 4. the gate
     starts = {g: on(s_cells, g) for g in GROUPS if groups[g]}
     n = st["n"] = cli.num_eval_problems or eval_problems_for_power(
@@ -588,6 +595,8 @@ def stages(cli, make: bool, st: dict, write) -> None:
     st["hold_failed"] = gates["hold"][1] if "hold" in gates else ["hold, no level where the pair is weak"]
     print("\n".join(st["gate"]))
     write()
+    if gates["lift"][1]:
+        st["stop"] = f"{untestable(gates['lift'][1])} (the lift gate); no arm ran"
     if gates["lift"][1] or cli.until == "ground":
         return
     # 5. the learning rate
