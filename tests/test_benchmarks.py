@@ -249,18 +249,90 @@ def test_adakp_gate_needs_the_helpful_kps_to_lift_no_hint_accuracy_beyond_the_no
     assert not premise({"none": 0.150, "helpful": 0.250}, 10_000)[1]  # the same lift on many problems: beyond it
 
 
-def test_direct_opd_verdict_needs_a_lift_above_vanilla_and_a_still_control():
+def direct_opd_acc(lift=(0.6, 0.8), hold=(0.4, 0.4), grpo=((0.6, 0.65), (0.4, 0.4)), control=((0.6, 0.6), (0.4, 0.4)),
+                   control_seeds=(1, 2)):
+    """{(arm, seed): {group: (before, after)}} of direct_opd_smollm2's arms, the same on seeds 1 and 2."""
+    acc = {}
+    for s in (1, 2):
+        acc[("direct", s)] = {"lift": lift, "hold": hold}
+        acc[("vanilla_opd", s)] = {"lift": (lift[0], 0.7), "hold": (hold[0], 0.1)}
+        acc[("grpo_student", s)] = dict(zip(("lift", "hold"), grpo))
+        if s in control_seeds:
+            acc[("control", s)] = dict(zip(("lift", "hold"), control))
+    return acc
+
+
+def test_direct_opd_verdict_judges_the_lift_and_the_hold_group_apart():
     from benchmarks.claims.direct_opd_smollm2 import verdict
 
-    def acc(direct, vanilla, control=(0.5, 0.5)):
-        return {(arm, s): v for s in (1, 2) for arm, v in
-                (("direct", (0.5, direct)), ("vanilla_opd", (0.5, vanilla)), ("control", control))}
+    sizes = {(g, s): 170 if g == "lift" else 150 for g in ("lift", "hold") for s in (1, 2)}  # noise about +-0.10
+    assert verdict(direct_opd_acc(), [1, 2], sizes)[0] == "shown"  # +0.20 on the lift group, the hold group kept
+    # lifted, but pulled down where the pair is weak: half the claim
+    assert verdict(direct_opd_acc(hold=(0.4, 0.15)), [1, 2], sizes)[0] == "partly shown"
+    assert verdict(direct_opd_acc(lift=(0.6, 0.65)), [1, 2], sizes)[0] == "partly shown"  # up on both, inside the noise
+    assert verdict(direct_opd_acc(lift=(0.6, 0.65), hold=(0.4, 0.15)), [1, 2], sizes)[0] == "not shown"
+    assert verdict(direct_opd_acc(lift=(0.6, 0.55)), [1, 2], sizes)[0] == "not shown"  # no lift
+    # the hold gate failed (no room to fall): that half is untestable, the lift alone is partly the claim
+    status, notes = verdict(direct_opd_acc(), [1, 2], sizes, ["headroom, the control starts at 0.050 / 0.050"])
+    assert status == "partly shown" and "hold (no pull-down): untestable here: headroom" in notes[0]
+    # the control must be run and stay still for the whole claim
+    assert verdict(direct_opd_acc(control=((0.6, 0.9), (0.4, 0.4))), [1, 2], sizes)[0] == "partly shown"
+    assert verdict(direct_opd_acc(control_seeds=(1,)), [1, 2], sizes)[0] == "shown"  # run on seed 1 only: enough
+    assert verdict(direct_opd_acc(control_seeds=()), [1, 2], sizes)[0] == "partly shown"
 
-    assert verdict(acc(0.7, 0.4), [1, 2], 120)[0] == "shown"  # +0.20 against +-0.13, above vanilla beyond it
-    assert verdict(acc(0.7, 0.4, control=(0.5, 0.8)), [1, 2], 120)[0] == "partly shown"  # the control moved
-    assert verdict(acc(0.55, 0.5), [1, 2], 120)[0] == "partly shown"  # ahead, inside the noise
-    assert verdict(acc(0.5, 0.4), [1, 2], 120)[0] == "not shown"  # no lift
-    assert "control 0.500 -> 0.800 (moved beyond the noise)" in verdict(acc(0.7, 0.4, (0.5, 0.8)), [1, 2], 120)[1][0]
+
+def test_direct_opd_verdict_is_void_where_grpo_with_the_verifier_falls():
+    from benchmarks.claims.direct_opd_smollm2 import verdict
+
+    sizes = {(g, s): 170 if g == "lift" else 150 for g in ("lift", "hold") for s in (1, 2)}
+    # the last design: GRPO on the student fell 0.883 -> 0.717; here on the hold group (level 3) alone
+    status, _ = verdict(direct_opd_acc(grpo=((0.6, 0.65), (0.4, 0.2))), [1, 2], sizes)
+    assert status.startswith("untestable here: the learning rate breaks the control") and "seed 1 hold 0.400 -> 0.200" \
+        in status and status.endswith("(the rule alone: shown)")
+
+
+def direct_opd_record(l1, l2, l3):
+    """A trainer's record with its first and last evaluation per level ((before, after) each)."""
+    row = lambda i: {f"eval/greedy_accuracy/level_{lv}": x[i] for lv, x in ((1, l1), (2, l2), (3, l3))}  # noqa: E731
+    return {"rows": [{"step": 0, "eval/greedy_accuracy": 0.0, **row(0)}, {"step": 5, "reward/mean": 0.0},
+                     {"step": 30, "eval/greedy_accuracy": 0.0, **row(1)}]}
+
+
+def test_direct_opd_learning_rate_is_the_largest_at_which_grpo_keeps_both_groups():
+    from benchmarks.claims.direct_opd_smollm2 import choose_lr, distinct, run_groups
+
+    groups, n = {"lift": (1, 2), "hold": (3,)}, 150
+    sizes = {"lift": distinct(1, n, 1) + distinct(2, n, 1), "hold": distinct(3, n, 1)}
+    assert sizes == {"lift": 170, "hold": 150}  # level 1 has 20 sums, repeated
+    # level 1 counts by its 20 distinct sums, not its 150 rows: 1.0 -> 0.0 there moves the lift group by 20/170
+    assert run_groups(direct_opd_record((1.0, 0.0), (0.5, 0.5), (0.3, 0.3)), groups, n, 1)["lift"] == \
+        pytest.approx((95 / 170, 75 / 170))
+    probes = {5e-6: run_groups(direct_opd_record((1.0, 1.0), (0.6, 0.6), (0.4, 0.2)), groups, n, 1),  # level 3 fell
+              2e-6: run_groups(direct_opd_record((1.0, 1.0), (0.6, 0.62), (0.4, 0.38)), groups, n, 1)}
+    assert choose_lr(probes, sizes) == 2e-6
+    probes[1e-6] = run_groups(direct_opd_record((1.0, 1.0), (0.6, 0.6), (0.4, 0.4)), groups, n, 1)
+    assert choose_lr(probes, sizes) == 2e-6  # the largest that holds, not the stillest
+    assert choose_lr({5e-6: probes[5e-6]}, sizes) is None  # none holds: no arm runs
+
+
+def test_direct_opd_cap_is_the_smallest_that_cuts_under_a_tenth_of_the_base_replies():
+    from benchmarks.claims.direct_opd_smollm2 import choose_cap, cut_shares
+
+    # one draw at the largest cap: 100 replies, 60 longer than 48 tokens, 12 longer than 96, 5 cut at 128
+    lengths = [30] * 40 + [60] * 48 + [110] * 7 + [128] * 5
+    shares = cut_shares(lengths, [False] * 95 + [True] * 5, (48, 96, 128))
+    assert shares == {48: 0.6, 96: 0.12, 128: 0.05}
+    assert choose_cap(shares) == 128
+    assert choose_cap({48: 0.6, 96: 0.12}) is None
+
+
+def test_direct_opd_student_is_the_most_trained_with_headroom_on_the_lift_group():
+    from benchmarks.claims.direct_opd_smollm2 import choose_student, split_levels
+
+    pre, post = {"L1": 0.55, "L2": 0.225, "L3": 0.0}, {"L1": 1.0, "L2": 0.6, "L3": 0.025}
+    assert split_levels(pre, post, 40) == ((1, 2), (3,))  # level 3's +0.025 is noise: the pair is weak there
+    assert choose_student({10: 0.42, 20: 0.64, 30: 0.79, 60: 0.96}) == 30  # 60 steps: no headroom (the last design)
+    assert choose_student({10: 0.42, 20: 0.85}) is None
 
 
 def test_mada_stage_1_setting_is_the_band_then_the_judged_split_then_mixed_groups():

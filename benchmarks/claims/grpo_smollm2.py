@@ -38,15 +38,18 @@ START = os.path.join("runs", "smollm2_start")
 """where the post-GRPO model the other SmolLM2 claims start from is trained (relative to the repository)"""
 
 
-def start_args(steps: int = 30, output_dir: str = START) -> "grpo.Args":
-    """The run whose final weights the SmolLM2 claims start from (MADA-RL's critics, AdaKP, Direct-OPD's post
-    teacher): RECIPE, seed 1, `steps` steps, greedy evaluation on 40 problems a level before and after, a checkpoint
-    every 10 steps. With benchmarks.claims.claim_runs.finished_run(grpo, start_args(), records, weights=True) a checkout
-    without the folder trains it again (about 16 minutes on one thread); its weights are
-    <output_dir>/grpo_seed1/checkpoint."""
-    return tyro.cli(grpo.Args, args=[*RECIPE, "--total-steps", str(steps), "--seed", "1", "--eval-every", "0",
+def start_args(steps: int = 30, output_dir: str = START, max_new_tokens: int = 48,
+               run_name: str = "grpo_seed1") -> "grpo.Args":
+    """The run whose final weights the SmolLM2 claims start from (MADA-RL's critics, AdaKP): RECIPE, seed 1, `steps`
+    steps, greedy evaluation on 40 problems a level before and after, a checkpoint every 10 steps. With
+    benchmarks.claims.claim_runs.finished_run(grpo, start_args(), records, weights=True) a checkout without the folder
+    trains it again (about 16 minutes on one thread); its weights are <output_dir>/<run_name>/checkpoint. Direct-OPD's
+    post teacher is this recipe at another cap (`max_new_tokens`), under its own run name."""
+    recipe = list(RECIPE)
+    recipe[recipe.index("--max-new-tokens") + 1] = str(max_new_tokens)
+    return tyro.cli(grpo.Args, args=[*recipe, "--total-steps", str(steps), "--seed", "1", "--eval-every", "0",
                                      "--num-eval-problems", "40", "--save-every", "10", "--output-dir", output_dir,
-                                     "--run-name", "grpo_seed1"])
+                                     "--run-name", run_name])
 
 
 MODEL, LEVELS = "smollm2-135m-instruct", (1, 2)
