@@ -536,7 +536,8 @@ def test_the_sec_claim_keeps_its_runs_as_records_and_reports_from_them_alone(tmp
             f.writelines(json.dumps(r) + "\n" for r in [ev(0, 0.3), *steps, ev(2, 0.4 + a.seed / 10)])
 
     def bench(*flags):
-        monkeypatch.setattr(sys, "argv", ["rloo_sec_smollm2", "--steps", "2", "--num-eval-problems", "2",
+        monkeypatch.setattr(sys, "argv", ["rloo_sec_smollm2", "--start", "base", "--learning-rate", "2e-5",
+                                          "--steps", "2", "--num-eval-problems", "2",
                                           "--judge-problems", "2", "--records", str(records),
                                           "--output-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "sec.md"),
                                           "--plot", str(tmp_path / "sec.png"), *flags])

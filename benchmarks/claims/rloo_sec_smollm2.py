@@ -22,7 +22,12 @@ lifts level 2's sampled success (about 0.12 is needed over 20 steps).
 Measured (2026-12-04, `--gate-only`): the base model's sampled level-2 success is 0.019, so the gate fails on both
 power lines (expected share 0.352). `--start grpo` starts both arms from the post-GRPO model instead (STARTS: level 2
 greedy 0.525 there, levels 3 and 5 still dead), where level 2 is live from the first step; its records and runs are
-named with a "grpo-start_" prefix.
+named with a "grpo-start_" prefix, and it is the default since.
+The learning rate, chosen before the arms by one rule: the rate at which uniform holds its start over the 20 steps.
+At the other SmolLM2 claims' 2e-5 (full fine-tuning), both arms fell from the post-GRPO start on seed 1 (judged level 2
+0.645 -> 0.345 for SEC, -> 0.265 for uniform: the recipe, not the curriculum; their records stay beside, named
+without a rate); at 5e-6 uniform held it (0.645 -> 0.660), so both arms run at 5e-6, the default (runs at a rate other
+than 2e-5 are named with it, `lr_tagged`).
 
 The budget: about 90 minutes of this 2-core CPU for 2 arms x 2 seeds at `--steps 20`: the starts (greedy on 200
 level-2 problems and 4 samples on 40 of them, 2 seeds) about 5 minutes; a run about 20 minutes (20 steps of 4 prompts x
@@ -33,7 +38,7 @@ step, SEC and uniform, both seeds).
 
     python -m benchmarks.claims.rloo_sec_smollm2 --gate-only    # the gate (the starts) alone: about 5 minutes
     python -m benchmarks.claims.rloo_sec_smollm2                # 2 arms x seeds 1 and 2, 20 steps: 80-100 minutes
-    python -m benchmarks.claims.rloo_sec_smollm2 --seeds 1 --steps 1 --num-eval-problems 2 --judge-problems 2 \\
+    python -m benchmarks.claims.rloo_sec_smollm2 --start base --seeds 1 --steps 1 --num-eval-problems 2 --judge-problems 2 \\
         --out /tmp/sec.md --plot /tmp/sec.png --output-dir /tmp/sec_runs --records /tmp/sec_records   # a smoke run
 
 Each run is rloo_sec.py's own main with the flags printed in the report (the command reproduces one run). Every
@@ -107,18 +112,20 @@ def tagged(start: str, name: str) -> str:
     return name if start == "base" else f"{start}-start_{name}"
 
 
-LR = 2e-5
-"""both arms' learning rate unless --learning-rate says otherwise (the other SmolLM2 claims' full fine-tuning rate)"""
+LR, FIRST_LR = 5e-6, 2e-5
+"""both arms' learning rate unless --learning-rate says otherwise (the rate at which uniform holds the post-GRPO start;
+module docstring), and the first attempt's (the other SmolLM2 claims' full fine-tuning rate), whose runs keep untagged
+names"""
 
 
 def lr_tagged(lr: float, name: str) -> str:
-    """A run's name at --learning-rate lr: the default rate's runs keep their names, others carry the rate, so the
-    records at several rates stay side by side.
+    """A run's name at --learning-rate lr: the first attempt's rate (FIRST_LR) keeps its runs' names, others carry the
+    rate, so the records at several rates stay side by side.
 
     >>> lr_tagged(2e-5, "sec_seed1"), lr_tagged(5e-6, "sec_seed1")
     ('sec_seed1', 'lr5e-06_sec_seed1')
     """
-    return name if lr == LR else f"lr{lr:g}_{name}"
+    return name if lr == FIRST_LR else f"lr{lr:g}_{name}"
 
 
 # --- the mechanism's power: what SEC's own update rule does with one live level and two dead ones ------------------
@@ -332,8 +339,9 @@ def report(res: dict, cli, flags: list, section: list, failed: list, n_judged: i
     noise = draw_noise(cli.steps)
     minutes = sum(r["seconds"] for r in res.values()) / 60
     lines = [f"# SEC on SmolLM2-135M-Instruct (rloo_sec.py, testbed-nl levels {', '.join(map(str, LEVELS))})", "",
-             f"`python -m benchmarks.claims.rloo_sec_smollm2 --seeds {' '.join(map(str, cli.seeds))} --steps "
-             f"{cli.steps} --num-eval-problems {n} --judge-problems {cli.judge_problems}`, "
+             f"`python -m benchmarks.claims.rloo_sec_smollm2 --start {cli.start} --learning-rate "
+             f"{cli.learning_rate:g} --seeds {' '.join(map(str, cli.seeds))} --steps {cli.steps} --num-eval-problems "
+             f"{n} --judge-problems {cli.judge_problems}`, "
              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU (shared), float32, {minutes:.0f} minutes of runs "
              "so far (the starts and the judged evaluations of final weights excluded). Each run is `python "
              f"rloo_sec.py {' '.join(flags)} "
@@ -426,10 +434,10 @@ def main():
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "rloo_sec_smollm2.png"))
     p.add_argument("--output-dir", default=os.path.join(ROOT, "runs", "sec_smollm2"), help="run folders")
     p.add_argument("--records", default=RECORDS, help="the starts' and the finished runs' records (committed)")
-    p.add_argument("--start", choices=list(STARTS), default="base",
+    p.add_argument("--start", choices=list(STARTS), default="grpo",
                    help="both arms' start: the base model, or the post-GRPO model (STARTS)")
     p.add_argument("--learning-rate", type=float, default=LR,
-                   help="both arms' learning rate; runs at another rate than LR are named with it")
+                   help="both arms' learning rate; runs at another rate than FIRST_LR are named with it")
     p.add_argument("--gate-only", action="store_true",
                    help="measure the gate (the starts) and write the report with it from the records; train nothing")
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
