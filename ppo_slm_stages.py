@@ -248,12 +248,17 @@ def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir
     tokenizer.save_pretrained(out_dir)
 
 
-def pair_accuracy(rm, tokenizer, pairs: list[Pair]) -> float:
-    """Fraction of held-out pairs where the RM scores the chosen completion above the rejected one."""
+def pair_accuracy(rm, tokenizer, pairs: list[Pair], name: str = "rm/pair_accuracy") -> dict:
+    """{name: fraction of `pairs` where the RM scores the chosen completion above the rejected one} and, where the
+    pairs have kinds (testbed-nl), name/<kind> for each kind's pairs; every pair is scored once."""
     ids_BT, attn_BT, _ = encode_pairs(tokenizer, [e.prompt for e in pairs] * 2,
                                       [e.chosen for e in pairs] + [e.rejected for e in pairs])
     r_2B = sequence_scores(rm, ids_BT, attn_BT, tokenizer.pad_token_id)
-    return (r_2B[: len(pairs)] > r_2B[len(pairs):]).float().mean().item()
+    right_B = (r_2B[: len(pairs)] > r_2B[len(pairs):]).float()
+    out = {name: right_B.mean().item()}
+    for kind in sorted({e.kind for e in pairs} - {""}):
+        out[f"{name}/{kind}"] = right_B[[e.kind == kind for e in pairs]].mean().item()
+    return out
 
 
 def supervised_stages(args, base: str, tokenizer, pairs: list[Pair], run_dir: str, rank: int, device: str):

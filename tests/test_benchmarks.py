@@ -441,54 +441,110 @@ def test_mada_report_stops_where_the_stage_1_premise_fails():
     assert "## The arms" not in text
 
 
-def test_ppo_collapse_is_half_the_sft_accuracy_or_an_early_stop():
+def ppo_record(start=0.6, final=0.6, steps=40, stop=None, win_rm=0.5, win_verifier=0.5, **first):
+    """A hand-made ppo_slm.py record: the held-out evaluation at step 0 (`first` adds to it), `stop or steps` PPO steps
+    (policy entropy 0.016 throughout) and the final evaluation."""
+    ev = lambda acc, **kw: {"eval/greedy_accuracy": acc, "eval/sampled_accuracy": acc, "eval/rm_score": 2.0,  # noqa
+                            "eval/entropy": 0.016, "eval/win_rate_rm": 0.5, "eval/win_rate_verifier": 0.5, **kw}
+    last = stop or steps
+    return {"args": {"total_steps": steps, "learning_rate": 2e-4}, "seconds": 60.0, "measured": {},
+            "rows": [{"step": 0, "time": 1.0, **ev(start), **first},
+                     *({"step": s, "reward/mean": 0.0, "policy/kl_ref": 0.1, "safety/max_ratio": 1.5,
+                        "safety/ratio_guard_skips": 0, "rm/score_std": 0.7, "policy/entropy": 0.016}
+                       for s in range(1, last + 1)),
+                     {"step": last, "time": 9.0, **ev(final), "eval/win_rate_rm": win_rm,
+                      "eval/win_rate_verifier": win_verifier}]}
+
+
+def ppo_rm(answer, step, train=0.9):
+    """The step-0 figures of a reward model: held-out pair accuracy by kind, and on its training pairs."""
+    return {"rm/pair_accuracy": (110 * answer + 90 * step) / 200, "rm/pair_accuracy/answer": answer,
+            "rm/pair_accuracy/step": step, "rm/train_pair_accuracy": train, "rm/train_pair_accuracy/answer": train,
+            "rm/train_pair_accuracy/step": train}
+
+
+PPO_CLI = types.SimpleNamespace(num_eval_prompts=160, num_eval_pairs=200, steps=40, sft_steps=60, rm_steps=150,
+                                seeds=[1, 2])
+PPO_KINDS = {"answer": 110, "step": 90}
+
+
+def ppo_report(probe_figures, runs=None, entropy=0.016, naive=None, fix=None):
+    from benchmarks.claims import ppo_slm_smollm2 as ppo_bench
+
+    stages = ppo_record(**ppo_rm(*probe_figures[0]), **{"time/stages": 3600.0})
+    stages["rows"][0]["eval/entropy"] = entropy
+    stages["measured"] = {"likelihood": 0.87, "likelihood/answer": 0.94, "likelihood/step": 0.76}
+    probe = [(name, types.SimpleNamespace(rm_steps=150, num_train_examples=500, rm_lora_r=16),
+              stages if i == 0 else ppo_record(**ppo_rm(*fig)))
+             for i, ((name, *_), fig) in enumerate(zip(ppo_bench.RM_PROBE, probe_figures))]
+    return ppo_bench.report(PPO_CLI, stages, probe, PPO_KINDS, naive, fix, runs or {}, 0.7)
+
+
+def test_ppo_report_opens_with_the_gate_and_no_outcome_without_an_rm_that_tells_a_wrong_answer():
+    text = ppo_report([(0.491, 1.0)])  # the last design's RM: chance on the answer kind; the probe goes on
+    paragraphs = text.split("\n\n")
+    assert paragraphs[2].startswith("## The gate") and "- reward model (outcome)" in paragraphs[3]
+    assert "Gate: outcome: pending (the RM probe); collapse: untestable here: budget, 40 steps lose at most " in text
+    text = ppo_report([(0.491, 1.0), (0.6, 0.7), (0.7, 0.6)])  # none has both kinds beyond the noise
+    assert "Gate: outcome: untestable here: no RM this ground trains tells a wrong answer (3 tried: stages: answer " \
+           "0.491 (110 pairs, needs > 0.632)" in text
+    assert "Not run. Verdict, outcome: untestable here: no RM this ground trains" in text
+    text = ppo_report([(0.491, 1.0), (0.7, 0.66)])
+    assert "pass (rm_x4_one_pass)" in text and "Gate: outcome: passes;" in text and "Chosen: rm_x4_one_pass." in text
+    assert "Verdict, bfloat16: needs a GPU." in text
+
+
+def test_ppo_collapse_is_untestable_when_the_steps_cannot_lose_the_entropy_a_collapse_needs():
+    from benchmarks.claims import ppo_slm_smollm2 as ppo_bench
+
+    # the committed last design's noisy runs lose about 1e-5 nats a step: 40 steps cannot take half of 0.016
+    assert "Not run. Verdict, collapse: untestable here: budget, 40 steps lose at most 0.0021 of the entropy, a " \
+           "collapse needs 0.0080 (153 steps)." in ppo_report([(0.7, 0.7)], entropy=0.016)
+    assert "collapse: passes" in ppo_report([(0.7, 0.7)], entropy=0.002)  # a policy with little to lose can
+    falling = {"args": {"learning_rate": 2e-4}, "rows": [{"step": s, "reward/mean": 0.0, "policy/entropy": 0.02 -
+                                                          0.0004 * s} for s in range(1, 41)]}
+    loss, se = ppo_bench.entropy_slopes([falling, falling])
+    assert ppo_bench.collapse_budget(0.016, loss, se, 40, 2e-4)["can"]  # 0.016 lost in 40 steps
+    assert not ppo_bench.collapse_budget(0.016, loss, se, 10, 2e-4)["can"]  # 0.004 in 10
+
+
+def test_ppo_collapse_is_half_the_runs_start_or_an_early_stop():
     from benchmarks.claims.ppo_slm_smollm2 import collapsed
 
-    def rec(final, steps):
-        return {"rows": [{"step": 0, "eval/greedy_accuracy": 0.6},
-                         *({"step": s, "reward/mean": 0.0} for s in range(1, steps + 1)),
-                         {"step": steps, "eval/greedy_accuracy": final}]}
-
-    assert not collapsed(rec(0.31, 40), 0.6, 40)
-    assert collapsed(rec(0.29, 40), 0.6, 40)  # below half of 0.6
-    assert collapsed(rec(0.6, 12), 0.6, 40)  # stopped early (rollback limit or KL)
+    assert not collapsed(ppo_record(0.6, 0.31), 40)
+    assert collapsed(ppo_record(0.6, 0.29), 40)  # below half of 0.6
+    assert collapsed(ppo_record(0.6, 0.6, stop=12), 40)  # stopped early (rollback limit or KL)
+    assert not collapsed(ppo_record(0.5, 0.3), 40)  # each run against its own start (seeds draw their own problems)
 
 
 def test_ppo_collapse_verdict_waits_for_both_seeds_and_needs_the_off_arm_to_collapse_on_each():
-    import copy
-
-    from benchmarks.claims import ppo_slm_smollm2 as ppo_bench
-
-    records = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "claims",
-                           "runs", "ppo_slm_smollm2")
-    load = lambda name: json.load(open(os.path.join(records, f"{name}.json")))  # noqa: E731
-    on = load("noisy_on_seed1")  # the envelope-on run of seed 1 (0.762 -> 0.775)
-
-    def ending(acc=None, stop=None):
-        rec = copy.deepcopy(on)
-        if stop:  # stopped early: the final evaluation is logged at the last step it took
-            final = {k: v for k, v in rec["rows"][-1].items() if k.startswith("eval/")}
-            rec["rows"] = [r for r in rec["rows"] if r.get("step", 0) <= stop]
-            rec["rows"][-1].update(final)
-        if acc is not None:
-            rec["rows"][-1]["eval/greedy_accuracy"] = acc
-        return rec
-
-    cli = types.SimpleNamespace(num_eval_prompts=80, steps=40, sft_steps=60, rm_steps=150, num_eval_pairs=200,
-                                bf16_steps=2, seeds=[1, 2])
-    runs = {("noisy_on", 1): on, ("noisy_off", 1): ending(acc=0.2)}
-
     def verdict(runs):
-        text = ppo_bench.report(cli, load("stages"), load("naive"), runs, 0.7)
+        text = ppo_report([(0.7, 0.7)], runs, entropy=0.002)  # an entropy the budget can take
         return [line for line in text.split("\n") if "collapse (" in line or "noisy runs" in line][0]
 
+    on = ppo_record(0.762, 0.775)
+    runs = {("noisy_on", 1): on, ("noisy_off", 1): ppo_record(0.762, 0.2)}
     assert verdict(runs).startswith("Incomplete: seeds with both noisy runs [1] of [1, 2]")
-    both = {**runs, ("noisy_on", 2): ending(), ("noisy_off", 2): ending(stop=12)}
+    both = {**runs, ("noisy_on", 2): on, ("noisy_off", 2): ppo_record(0.762, 0.762, stop=12)}
     assert "collapse (seeds [1, 2]): shown" in verdict(both) and "stopped at step 12" in verdict(both)
-    mixed = {**runs, ("noisy_on", 2): ending(), ("noisy_off", 2): ending(acc=0.76)}
+    mixed = {**runs, ("noisy_on", 2): on, ("noisy_off", 2): ppo_record(0.762, 0.76)}
     assert "collapse (seeds [1, 2]): not shown" in verdict(mixed)  # off collapsed on one seed only
-    lower = {("noisy_on", s): ending() for s in (1, 2)} | {("noisy_off", s): ending(acc=0.55) for s in (1, 2)}
+    lower = {("noisy_on", s): on for s in (1, 2)} | {("noisy_off", s): ppo_record(0.762, 0.55) for s in (1, 2)}
     assert "partly shown" in verdict(lower)  # no collapse; 0.775 against 0.550 beyond the noise on both
+
+
+def test_ppo_outcome_is_judged_by_the_verifier_as_well_as_by_the_rm():
+    def verdict(*seeds):
+        runs = {("ppo", s): ppo_record(*acc, win_rm=w, win_verifier=v) for s, (acc, w, v) in enumerate(seeds, 1)}
+        return [line for line in ppo_report([(0.7, 0.7)], runs).split("\n") if "Verdict, outcome" in line][0]
+
+    good = ((0.6, 0.75), 0.62, 0.55)  # RM win rate beyond the noise (+-0.077 at 160 prompts), accuracy up
+    assert verdict(good, good).startswith("Verdict, outcome: shown (RM win rates 0.620, 0.620, noise +-0.077); by "
+                                          "the verifier: greedy accuracy up beyond the noise on every seed")
+    fell = ((0.6, 0.4), 0.62, 0.5)  # the RM prefers it; the verifier sees greedy accuracy fall beyond the noise
+    assert "Verdict, outcome: partly shown" in verdict(good, fell) and "accuracy down beyond the noise" in \
+        verdict(good, fell)
+    assert "Verdict, outcome: not shown" in verdict(((0.6, 0.6), 0.49, 0.5), ((0.6, 0.6), 0.55, 0.5))
 
 
 def test_a_report_from_the_records_never_runs(tmp_path):

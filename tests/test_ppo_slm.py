@@ -87,6 +87,9 @@ def test_full_pipeline_runs_and_reports(stages):
     assert sorted(_steps(out)) == [1, 2, 3]
     for key in ("eval/rm_score", "eval/win_rate_rm", "eval/win_rate_verifier", "eval/greedy_accuracy"):
         assert key in out["after"], key
+    # the entropy the policy has to lose, before and after (sampled at T 1.3: above 0, below log of the vocabulary)
+    assert 0 < out["before"]["eval/entropy"] < 6 and 0 < out["after"]["eval/entropy"] < 6
+    assert 0 <= out["before"]["rm/train_pair_accuracy"] <= 1  # the RM on its own pairs: has it memorised them?
     assert os.path.exists(os.path.join(out["run_dir"], "ppo_adapter", "value_head.pt"))
     assert_samples(out["run_dir"], ("rm_score", "reward", "correct"), ("rm_score", "correct"), steps=[3])
 
@@ -217,6 +220,21 @@ def test_merge_reinit_starts_at_sft_and_trains(stages):
         want = merged(input_ids=ids).logits
         fresh = get_peft_model(merged, LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         assert torch.equal(fresh(input_ids=ids).logits, want)
+
+
+def test_pair_accuracy_scores_each_pair_once_and_splits_it_by_kind(stages):
+    import ppo_slm_stages
+    from common.models import load_tokenizer
+
+    model, _, out = stages
+    tokenizer, rm = load_tokenizer(model), ppo_slm_stages.load_score_model(out["reward_model"]).eval()
+    pairs = ppo_slm_stages.build_pairs(_args(".", model), "test", 12, 1, tokenizer)
+    for i, e in enumerate(pairs):
+        e.kind = "step" if i % 3 == 0 else "answer"  # 4 and 8 (testbed pairs have no kind of their own)
+    acc = ppo_slm_stages.pair_accuracy(rm, tokenizer, pairs, "x")
+    assert sorted(acc) == ["x", "x/answer", "x/step"]
+    assert abs(acc["x"] - (4 * acc["x/step"] + 8 * acc["x/answer"]) / 12) < 1e-6
+    assert acc["x/step"] == ppo_slm_stages.pair_accuracy(rm, tokenizer, pairs[::3])["rm/pair_accuracy"]
 
 
 def test_logits_guard_makes_logits_finite():

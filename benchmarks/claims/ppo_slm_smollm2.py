@@ -1,73 +1,106 @@
-"""PPO for small LMs on the paper's own model (issue 39): its three failure modes and its fixes, SmolLM2-135M-Instruct.
+"""PPO for small LMs on the paper's own model (issues 39, 63): its three failure modes and its outcome, SmolLM2-135M.
 
 The paper (ppo_slm.py, arXiv 2607.25091) trained SmolLM2-135M/360M and Pythia by PPO and reports three failure modes
 of small-model PPO, each with a fix, then a preference win rate over the SFT policy. The ground here: testbed-nl
 level 3 (three-number sums) in SmolLM2's chat template, `ppo_slm.py --dataset testbed-nl`: chosen = the worked
-solution, rejected = the same with one wrong step (its final answer still right: only the reasoning is wrong) or a
-wrong final answer, so the reward model can be right and wrong in ways a verifier measures. SFT (LoRA) and the
-reward model are trained once (`stages`, seed 1; the RM's held-out pair accuracy, by kind of wrong, is the paper's
-"discriminative reward" premise) and passed by path to every arm (STAGE_FLAGS + PPO_FLAGS):
+solution, rejected = the same with one arithmetic slip carried forward to a wrong final answer, in an earlier step
+('step') or the last ('answer'), so no string cue tells them apart, only the arithmetic (testbed-nl version 2). SFT
+(LoRA) is trained once (`stages`, seed 1), then reward models until one tells a wrong answer (the probe), and both
+are passed by path to every arm:
 
+0. the reward-model probe (`RM_PROBE`, in order, stopping at the first that passes `tells_wrong_answers`): the stages'
+   own RM (the last design's recipe, 150 steps of 16 pairs over 500 pairs), then 4x the steps with every pair new
+   (one pass over 9,600 pairs: nothing to memorise), then the same at LoRA rank 64. Each reports its held-out pair
+   accuracy by kind and, on as many of its own training pairs, the same: far above held-out, it memorised. Beside it
+   the SFT model's own likelihood on the same pairs (`likelihood_prefers`): whether the backbone the RM starts from
+   can tell at all. The last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance: its 'step'
+   kind had a string cue it learnt (1.000), the arithmetic it did not; the answer is visible to it (read at the
+   last token before the eos, which is also the pad token, after "The answer is N").
 1. the adapter freeze: `--policy-init naive_adapter` (the SFT adapter loaded with PeftModel.from_pretrained, as the
-   standard PEFT/TRL path does) against merge-and-reinit: trainable language-model tensors, whether the LoRA moves
-   (its B matrices leave 0) and what the run does;
-2. bfloat16 ratios: `--ppo-dtype bfloat16` against float32, two PPO steps each from the same SFT model and seed on a
-   small batch (bfloat16 can be far slower on a CPU without native bfloat16: 25x under autocast in
-   benchmarks/speed/cpu_precision.md): the importance ratio's max, the
-   fraction of tokens above 10 or not finite (safety/ratio_above_10) and the guard's skips;
+   standard PEFT/TRL path does) against merge-and-reinit (`fix`): trainable language-model tensors, whether the LoRA
+   moves (its B matrices leave 0) and what the run does; 2 steps each;
+2. bfloat16 ratios: needs a GPU. The overflow needs CUDA passes whose old and new log-probs disagree; on this CPU
+   both come from the same forward in either dtype (issue 56), so nothing runs here. benchmarks/speed/gpu_check.py
+   has no part for it (its part 1 runs ppo_slm.py on CUDA in float32 only);
 3. reward-model error: N(0, (2 sigma)^2) added to every training score (sigma: the RM score std of the clean run's
    first 5 steps, the paper's stress test) with the safety envelope on (score whitening and clip, reward whitening,
-   ratio guard, rollback) and off (all four off); the outcome run is the clean reference;
-4. the outcome: PPO with the envelope on and the clean RM, seeds 1 and 2: the win rate over the SFT policy on the
-   same held-out prompts, judged by the clean reward model and by the verifier (the final answer), and greedy
-   accuracy before and after.
+   ratio guard, rollback) and off (all four off), if the gate's budget line says a collapse can happen in the steps;
+4. the outcome: PPO with the envelope on and the chosen RM, seeds 1 and 2: the win rate over the SFT policy on the
+   same held-out prompts, judged by the chosen reward model and by the verifier (the final answer: its win rate and
+   greedy accuracy before and after).
 
 The rules, written before the runs (n held-out prompts; noise of a rate: +-1.96 sqrt(p(1-p)/n), of a difference of
-two rates: claim_runs.margin; the collapse rule's "partly" and its noise were made precise after seed 1's envelope-on
-run and before any envelope-off run was recorded):
-- freeze: shown if the naive path has no trainable language-model tensor and stops before or at its first update,
-  while merge-and-reinit trains every LoRA B matrix.
-- bfloat16: shown if the bfloat16 run's max ratio exceeds the guard's 5 (or any ratio is above 10 or not finite)
-  while float32's stays below 5; else not shown.
-- collapse (defined before running): the held-out greedy accuracy ends below half the SFT policy's, or the run stops
-  early (rollback limit, KL below -50). Shown if the noisy run collapses with the envelope off and not with it on,
-  on every seed run; partly if no run collapses either way but the envelope-off run ends lower on every seed
-  (greedy accuracy, the difference beyond the noise of two rates); else not shown.
-- outcome: shown if the RM win rate is above 0.5 beyond the noise on both seeds with the verifier's win rate at 0.5
-  or above; partly if above 0.5 on both inside the noise, or beyond it on one, or beyond on both with the verifier
-  below 0.5; else not shown.
+two rates: claim_runs.margin):
+- reward model: tells a wrong answer if, on each kind of held-out pair, its pair accuracy is above 0.5 by more than
+  claim_runs.margin(accuracy, 0.5, that kind's pairs); the first of RM_PROBE that does is every arm's RM. None: the
+  outcome is "untestable here: no RM this ground trains tells a wrong answer" and no arm runs.
+- budget (collapse): a collapse needs the policy to lose at least COLLAPSE_SHARE of the SFT policy's entropy (mean
+  entropy a token of its held-out samples at T 0.9, top-p 0.95, `eval/entropy`). The most a step can lose is read
+  from the last design's noisy-RM runs (their policy/entropy over 40 steps: the least-squares slope, averaged, plus
+  1.96 standard errors, per unit learning rate); steps x lr x that below the need: "untestable here", no noisy arm.
+- freeze: shown if the naive path has no trainable language-model tensor and stops at its first update, while
+  merge-and-reinit trains every LoRA B matrix.
+- collapse: the held-out greedy accuracy ends below half the run's start (the SFT policy's on its seed's problems),
+  or the run stops early (rollback limit, KL below -50). Shown if the noisy run collapses with the envelope off and
+  not with it on, on every seed; partly if no run collapses either way but the envelope-off run ends lower on every
+  seed beyond claim_runs.margin; else not shown.
+- outcome, by the RM (the paper's measure): shown if its win rate is above 0.5 beyond the noise on both seeds and the
+  verifier sees no harm (its win rate at 0.5 or above and greedy accuracy not below the start beyond the noise, each
+  seed); partly if above 0.5 on both inside the noise, or beyond it on one, or beyond on both with harm; else not
+  shown. By the verifier, said beside it: greedy accuracy up beyond the noise on both seeds, down beyond it on one,
+  or neither.
 
-    python -m benchmarks.claims.ppo_slm_smollm2     # stages, then every arm (estimated at 2-3 hours of one thread)
-    python -m benchmarks.claims.ppo_slm_smollm2 --seeds 2 --dtypes  # beside it, once the stages are recorded
+    python -m benchmarks.claims.ppo_slm_smollm2 --probe-only    # stages, the RM probe and the gate; then:
+    python -m benchmarks.claims.ppo_slm_smollm2                 # the freeze pair and what the gate lets run
     python -m benchmarks.claims.ppo_slm_smollm2 --steps 1 --sft-steps 1 --rm-steps 1 --num-eval-prompts 4 \\
-        --num-eval-pairs 8 --dtypes fp32 --out /tmp/p.md --output-dir /tmp/p_runs --records /tmp/p_records  # smoke
+        --num-eval-pairs 8 --out /tmp/p.md --output-dir /tmp/p_runs --records /tmp/p_records  # smoke
 
-Every finished run is a record in benchmarks/claims/runs/ppo_slm_smollm2/ (benchmarks/claims/claim_runs.py); ppo_slm.py
+Time on the loaded 2-core machine, one thread (from the last design's records: SFT and 150 RM steps 64 minutes, a
+PPO step about 50 s, a 40-step arm 35-41 minutes at 80 held-out prompts, about 5 more at 160): stages about 70
+minutes; each further RM of the probe about 4 x 50 = 200 minutes; the freeze pair about 10; the outcome arms 2 x 45;
+the noisy arms, if the budget allows them, 4 x 45. So 3 hours if the stages' RM passes and the collapse stays out of
+budget; about 7.5 hours to find that no RM passes (no arm then runs); 10 hours at most. Against the ~90 minutes of a
+claim (../shared/CLAIMS.md) that is a 2x to 7x overrun, almost all of it the reward model.
+
+Every finished run is a record in benchmarks/claims/runs/ppo_slm_smollm2/v2/ (claim_runs.py); the last design's
+records (testbed-nl version 1) stay in the folder above it, read only for the entropy a noisy-RM step loses. ppo_slm.py
 writes no checkpoints, so an interrupted run starts again. --report-only writes the report from the records.
 
-The gate (benchmarks/claims/claim_runs.py, `claims`), once the stages are made and before any PPO run: PPO adds nothing
-to the prompt; the SFT policy's held-out greedy accuracy must leave room; and 80 prompts must be able to show the
-paper's win rate over SFT (the outcome) and a collapse to half the SFT accuracy (the envelope). The freeze and the
-bfloat16 checks are counts and maxima, not rates: no gate. A failed gate makes a verdict "untestable here".
+The gate (claim_runs.py `gate`, plus the reward model and the budget): PPO adds nothing to the prompt; the SFT
+policy's held-out greedy accuracy must leave room; 160 prompts must be able to show the paper's win rate over SFT
+(+0.08) and a collapse to half the SFT accuracy. The freeze is a count, not a rate: no gate.
 """
 
 import argparse
+import dataclasses
+import json
 import os
 import time
 
+import numpy as np
 import torch
 import tyro
 from safetensors.torch import load_file
 
 import ppo_slm
+import ppo_slm_stages as stages_lib
 from benchmarks import ROOT
-from benchmarks.claims.claim_runs import Claim, cached, finished_run, gate, gate_section, margin, untestable
+from benchmarks.claims.claim_runs import (GROUND, Claim, cached, detectable, finished_run, gate, margin, same_args,
+                                          untestable)
 
 MODEL, LEVEL = "smollm2-135m-instruct", 3
 NOISE_SIGMAS = 2.0
 """the injected RM error, in units of the RM's score std over the clean seed-1 run's first 5 steps (the paper:
 N(0, 2 sigma))"""
 ENVELOPE_OFF = ["--no-score-norm", "--no-whiten-rewards", "--no-ratio-guard", "--no-rollback"]
+RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "ppo_slm_smollm2")
+"""the last design's records (testbed-nl version 1): read for the entropy its noisy-RM runs lost, never as runs"""
+OLD_NOISY = ("noisy_on_seed1", "noisy_off_seed1", "noisy_on_seed2", "noisy_off_seed2")
+RM_PROBE = (("stages", 1, 0, 16), ("rm_x4_one_pass", 4, 1, 16), ("rm_x4_one_pass_r64", 4, 1, 64))
+"""the reward models tried, in order: (name, --rm-steps as a multiple of the stages', passes over fresh pairs (0: the
+stages' 500 pairs, 4.8 passes at 150 steps), LoRA rank); lr 5e-4 and 16 pairs a step throughout"""
+COLLAPSE_SHARE = 0.5
+"""the share of the SFT policy's entropy a collapse needs to lose (declared before the runs)"""
 
 
 def stage_flags(cli) -> list[str]:
@@ -80,17 +113,124 @@ def stage_flags(cli) -> list[str]:
             "--sft-batch-size", "16", "--rm-steps", str(cli.rm_steps), "--rm-batch-size", "16", "--log-samples", "4"]
 
 
-def run_args(cli, name: str, seed: int, *flags: str) -> "ppo_slm.Args":
-    """One ppo_slm.py run: the stages' flags, the shared SFT adapter and reward model (except for the stages run),
-    16 prompts a step in mini-batches of 8, `cli.steps` PPO steps unless `flags` say otherwise."""
-    shared = [] if name == "stages" else ["--sft-adapter", os.path.join(cli.output_dir, "stages", "sft_adapter"),
-                                          "--reward-model", os.path.join(cli.output_dir, "stages", "reward_model")]
-    args = tyro.cli(ppo_slm.Args, args=[*stage_flags(cli), *shared, "--num-prompts", "16", "--minibatch-size", "8",
-                                        "--total-steps", str(cli.steps), *flags, "--seed", str(seed),
-                                        "--output-dir", cli.output_dir, "--run-name", f"{name}_seed{seed}"
-                                        if name != "stages" else "stages"])
+def run_args(cli, name: str, seed: int, *flags: str, rm: str = "") -> "ppo_slm.Args":
+    """One ppo_slm.py run: the stages' flags, the stages' SFT adapter (except for the stages run) and the reward model
+    `rm` (a folder; none: the run trains its own), 16 prompts a step in mini-batches of 8, `cli.steps` PPO steps unless
+    `flags` say otherwise."""
+    shared = [] if name == "stages" else ["--sft-adapter", os.path.join(cli.output_dir, "stages", "sft_adapter")]
+    args = tyro.cli(ppo_slm.Args, args=[*stage_flags(cli), *shared, *(["--reward-model", rm] if rm else []),
+                                        "--num-prompts", "16", "--minibatch-size", "8", "--total-steps",
+                                        str(cli.steps), *flags, "--seed", str(seed), "--output-dir", cli.output_dir,
+                                        "--run-name", name if name == "stages" or name.startswith("rm_")
+                                        else f"{name}_seed{seed}"])
     args.num_minibatches = args.num_prompts // args.minibatch_size  # filled in by main(), so in its args.json
     return args
+
+
+def probe_args(cli, name: str, times: int, passes: int, rank: int) -> "ppo_slm.Args":
+    """An RM of the probe: stage 2 alone from the stages' SFT adapter (no PPO step, 4 held-out prompts for the SFT
+    evaluation it also makes; its pairs are the stages' held-out pairs)."""
+    steps = times * cli.rm_steps
+    pairs = ["--num-train-examples", str(passes * steps * 16)] if passes else []
+    return run_args(cli, name, 1, "--rm-steps", str(steps), *pairs, "--rm-lora-r", str(rank), "--total-steps", "0",
+                    "--num-eval-prompts", "4")
+
+
+def rm_folder(args) -> str:
+    return os.path.join(args.output_dir, args.run_name, "reward_model")
+
+
+def kind_counts(args) -> dict:
+    """How many of the held-out pairs the RM is judged on are of each kind (the prompts' text does not change them)."""
+    pairs = stages_lib.build_pairs(args, "test", args.num_eval_pairs, args.seed, None)
+    return {k: sum(e.kind == k for e in pairs) for k in sorted({e.kind for e in pairs})}
+
+
+def needed_accuracy(n: int) -> float:
+    """The least pair accuracy above 0.5 by more than claim_runs.margin(accuracy, 0.5, n), on a 0.001 grid.
+
+    >>> needed_accuracy(110), needed_accuracy(90)
+    (0.632, 0.645)
+    """
+    return next((k / 1000 for k in range(500, 1001) if k / 1000 - 0.5 > margin(k / 1000, 0.5, n)), float("inf"))
+
+
+def tells_wrong_answers(row: dict, counts: dict) -> bool:
+    """The reward-model rule: on every kind of held-out pair (each ends on a wrong final answer), pair accuracy above
+    chance beyond the noise.
+
+    >>> counts = {"answer": 110, "step": 90}
+    >>> tells_wrong_answers({"rm/pair_accuracy/answer": 0.70, "rm/pair_accuracy/step": 0.66}, counts)
+    True
+    >>> tells_wrong_answers({"rm/pair_accuracy/answer": 0.491, "rm/pair_accuracy/step": 1.0}, counts)  # the last RM's
+    False
+    """
+    return all(row[f"rm/pair_accuracy/{k}"] > 0.5 + margin(row[f"rm/pair_accuracy/{k}"], 0.5, n)
+               for k, n in counts.items())
+
+
+def entropy_slopes(records: list[dict]) -> tuple[float, float]:
+    """The entropy a PPO step loses per unit learning rate in `records` (minus the least-squares slope of each run's
+    policy/entropy over its steps, over its learning rate, averaged over the runs) and its standard error.
+
+    >>> rows = lambda lr, f: {"args": {"learning_rate": lr}, "rows": [{"step": s, "reward/mean": 0.0,
+    ...                       "policy/entropy": f(s)} for s in range(1, 41)]}
+    >>> loss, se = entropy_slopes([rows(1e-3, lambda s: 0.5 - 0.01 * s), rows(1e-3, lambda s: 0.5 - 0.01 * s)])
+    >>> round(loss, 6), round(se, 6)
+    (10.0, 0.0)
+    """
+    loss, var = [], []
+    for rec in records:
+        x = np.array([r["step"] for r in steps_of(rec)], dtype=float)
+        y = np.array([r["policy/entropy"] for r in steps_of(rec)])
+        slope, icept = np.polyfit(x, y, 1)
+        resid = y - (icept + slope * x)
+        se = np.sqrt(resid.var() * len(x) / (len(x) - 2) / ((x - x.mean()) ** 2).sum())
+        lr = rec["args"]["learning_rate"]
+        loss.append(-slope / lr)
+        var.append((se / lr) ** 2)
+    return float(np.mean(loss)), float(np.sqrt(sum(var)) / len(var))
+
+
+def collapse_budget(sft_entropy: float, loss: float, se: float, steps: int, lr: float) -> dict:
+    """The budget rule: can `steps` PPO steps at `lr` lose COLLAPSE_SHARE of the SFT policy's entropy, at the most a
+    step loses that the records allow (their mean loss per unit lr plus 1.96 standard errors)?
+
+    >>> b = collapse_budget(0.016, loss=0.053, se=0.107, steps=40, lr=2e-4)
+    >>> b["can"], round(b["lost"], 4), b["needed"], round(b["steps_needed"])
+    (False, 0.0021, 0.008, 152)
+    >>> collapse_budget(0.016, loss=1.0, se=0.1, steps=40, lr=2e-4)["can"]
+    True
+    """
+    most = max(0.0, loss + 1.96 * se)  # entropy a step loses, per unit learning rate
+    lost, needed = steps * lr * most, COLLAPSE_SHARE * sft_entropy
+    return {"can": lost >= needed, "lost": lost, "needed": needed, "per_step": lr * most,
+            "steps_needed": needed / (lr * most) if most > 0 else float("inf")}
+
+
+@torch.no_grad()
+def likelihood_prefers(run_dir: str, args) -> dict:
+    """How often the SFT model's own likelihood (the summed log-probs of the completion tokens) is higher for the
+    chosen solution than for the rejected one, on the RM's held-out pairs, by kind: whether the backbone the RM
+    starts from can tell them apart at all."""
+    from common.models import load_model, load_tokenizer
+    from common.rollout import position_ids
+
+    sft_dir = os.path.join(run_dir, "sft_merged")
+    tokenizer, model = load_tokenizer(sft_dir), load_model(sft_dir, "float32", "cpu").eval()
+    pairs = stages_lib.build_pairs(args, "test", args.num_eval_pairs, args.seed, tokenizer)
+    right = []
+    for s in range(0, len(pairs), 8):
+        b = pairs[s:s + 8]
+        ids_BT, attn_BT, comp_BT = stages_lib.encode_pairs(tokenizer, [e.prompt for e in b] * 2,
+                                                           [e.chosen for e in b] + [e.rejected for e in b])
+        logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT)).logits
+        logp_BT = torch.log_softmax(logits_BTV[:, :-1].float(), -1).gather(-1, ids_BT[:, 1:, None])[..., 0]
+        total_B = (logp_BT * comp_BT[:, 1:]).sum(1)
+        right += (total_B[: len(b)] > total_B[len(b):]).tolist()
+    return {"likelihood": sum(right) / len(right),
+            **{f"likelihood/{k}": float(np.mean([r for r, e in zip(right, pairs) if e.kind == k]))
+               for k in sorted({e.kind for e in pairs})}}
 
 
 def lora_b_moved(run_dir: str) -> dict:
@@ -125,7 +265,7 @@ def claims(cli, sft_greedy: float) -> dict:
     run falling to half the SFT policy's accuracy)."""
     split = f"{cli.num_eval_prompts} held-out level-{LEVEL} prompts"
     common = dict(split=split, n=cli.num_eval_prompts, seeds=list(cli.seeds), start={s: sft_greedy for s in cli.seeds},
-                  start_is="greedy accuracy of the SFT policy (every run's start)",
+                  start_is="greedy accuracy of the SFT policy (every run's start; seed 1's problems)",
                   contexts_are="none: PPO adds nothing to the prompt; the reward model scores the samples")
     return {"outcome": Claim(**common, effect=0.08, against=0.5, name="outcome",
                              effect_is="the paper: win rates 0.565-0.597 over SFT for SmolLM2-360M, ALGORITHMS.md 8.7"),
@@ -141,10 +281,15 @@ def evals_of(record: dict) -> list[dict]:
     return [r for r in record["rows"] if "eval/greedy_accuracy" in r]
 
 
-def collapsed(record: dict, sft_greedy: float, total_steps: int) -> bool:
-    """The rule of the module docstring: greedy accuracy below half the SFT policy's, or stopped early."""
-    final = evals_of(record)[-1]
-    return final["eval/greedy_accuracy"] < sft_greedy / 2 or len(steps_of(record)) < total_steps
+def minutes(record: dict) -> float:
+    """The run's minutes, its stages included (args.json, from which the record counts, is written after them)."""
+    return (record["seconds"] + record["rows"][0].get("time/stages", 0.0)) / 60
+
+
+def collapsed(record: dict, total_steps: int) -> bool:
+    """The collapse rule: greedy accuracy below half the run's start, or stopped early."""
+    start, final = evals_of(record)[0], evals_of(record)[-1]
+    return final["eval/greedy_accuracy"] < start["eval/greedy_accuracy"] / 2 or len(steps_of(record)) < total_steps
 
 
 def fate(record: dict, collapsed_: bool) -> str:
@@ -161,121 +306,188 @@ def run_row(name: str, seed: int, rec: dict) -> str:
     mean = lambda k: sum(r.get(k, 0.0) for r in last) / len(last)  # noqa: E731
     return (f"| {name} | {seed} | {len(steps)} | {first['eval/greedy_accuracy']:.3f} -> "
             f"{final['eval/greedy_accuracy']:.3f} | {first['eval/rm_score']:.3f} -> {final['eval/rm_score']:.3f} | "
-            f"{final['eval/win_rate_rm']:.3f} | {final['eval/win_rate_verifier']:.3f} | {mean('policy/kl_ref'):.2f} | "
-            f"{max(r['safety/max_ratio'] for r in steps):.2f} | {sum(r['safety/ratio_guard_skips'] for r in steps)} | "
-            f"{final.get('safety/rollbacks', 0)} | {rec['seconds'] / 60:.0f} |")
+            f"{final['eval/win_rate_rm']:.3f} | {final['eval/win_rate_verifier']:.3f} | "
+            f"{first.get('eval/entropy', float('nan')):.4f} -> {final.get('eval/entropy', float('nan')):.4f} | "
+            f"{mean('policy/kl_ref'):.2f} | {max(r['safety/max_ratio'] for r in steps):.2f} | "
+            f"{sum(r['safety/ratio_guard_skips'] for r in steps)} | {final.get('safety/rollbacks', 0)} | "
+            f"{minutes(rec):.0f} |")
 
 
-def report(cli, stages: dict, naive: dict | None, runs: dict, sigma: float | None) -> str:
-    n = cli.num_eval_prompts
+def by_kind(row: dict, name: str, counts: dict | None = None) -> str:
+    """'answer 0.491 (110 pairs, needs 0.632) step 1.000 (...)' of a row's `name`/<kind> figures."""
+    kinds = sorted(k.split("/")[-1] for k in row if k.startswith(name + "/"))
+    need = lambda k: f" ({counts[k]} pairs, needs > {needed_accuracy(counts[k]):.3f})" if counts else ""  # noqa: E731
+    return ", ".join(f"{k} {row[f'{name}/{k}']:.3f}{need(k)}" for k in kinds)
+
+
+def rm_gate(probe: list, counts: dict) -> tuple[str, list[str], str]:
+    """The reward-model line of the gate, what failed, and the chosen RM's name ('' if none)."""
+    tried = "; ".join(f"{name}: {by_kind(rec['rows'][0], 'rm/pair_accuracy', counts)}" for name, _, rec in probe)
+    rule = ("held-out pair accuracy above 0.5 beyond claim_runs.margin on each kind's pairs (each kind's rejected "
+            "solution ends on a wrong answer)")
+    if probe and tells_wrong_answers(probe[-1][2]["rows"][0], counts):
+        return f"- reward model (outcome): {rule}: {tried}: pass ({probe[-1][0]})", [], probe[-1][0]
+    if len(probe) == len(RM_PROBE):
+        return (f"- reward model (outcome): {rule}: {tried}: **fail**",
+                [f"no RM this ground trains tells a wrong answer ({len(probe)} tried: {tried})"], "")
+    return (f"- reward model (outcome): {rule}: {tried or 'none measured'}: pending ({len(probe)} of {len(RM_PROBE)} "
+            "tried; rerun with --probe-only)", ["pending: the RM probe is not finished"], "")
+
+
+def budget_gate(cli, sft_entropy: float) -> tuple[str, list[str]]:
+    """The collapse's budget line of the gate and what failed."""
+    old = [json.load(open(os.path.join(RECORDS, f"{name}.json"))) for name in OLD_NOISY]
+    loss, se = entropy_slopes(old)
+    lr = ppo_slm.Args().learning_rate
+    b = collapse_budget(sft_entropy, loss, se, cli.steps, lr)
+    line = (f"- budget (collapse): the SFT policy's entropy {sft_entropy:.4f} nats a token (held-out samples, T 0.9, "
+            f"top-p 0.95); the last design's {len(old)} noisy-RM runs lost {loss * lr:.6f} +- {1.96 * se * lr:.6f} a "
+            f"step at lr {lr:g} (least-squares slopes of policy/entropy), so {cli.steps} steps lose at most "
+            f"{b['lost']:.4f} against the {b['needed']:.4f} ({COLLAPSE_SHARE:g} of it) a collapse needs; that takes "
+            f"{b['steps_needed']:.0f} steps: {'pass' if b['can'] else '**fail**'}")
+    return line, [] if b["can"] else [f"budget, {cli.steps} steps lose at most {b['lost']:.4f} of the entropy, a "
+                                      f"collapse needs {b['needed']:.4f} ({b['steps_needed']:.0f} steps)"]
+
+
+def outcome_verdict(runs: dict, seeds: list, n: int) -> str:
+    """The outcome rules of the module docstring, by the RM and by the verifier."""
+    first = {s: evals_of(runs[("ppo", s)])[0] for s in seeds}
+    last = {s: evals_of(runs[("ppo", s)])[-1] for s in seeds}
+    noise = detectable(0.5, n, against=0.5)
+    win = {s: last[s]["eval/win_rate_rm"] for s in seeds}
+    acc = {s: (first[s]["eval/greedy_accuracy"], last[s]["eval/greedy_accuracy"]) for s in seeds}
+    up = [b - a > margin(a, b, n) for a, b in acc.values()]
+    down = [a - b > margin(a, b, n) for a, b in acc.values()]
+    harm = any(down) or any(last[s]["eval/win_rate_verifier"] < 0.5 for s in seeds)
+    beyond, above = [win[s] - 0.5 > noise for s in seeds], [win[s] > 0.5 for s in seeds]
+    verdict = ("shown" if all(beyond) and not harm else "partly shown" if all(above) or any(beyond) else "not shown")
+    by_verifier = ("greedy accuracy up beyond the noise on every seed" if all(up) else
+                   "greedy accuracy down beyond the noise" if any(down) else "no change beyond the noise")
+    wins = ", ".join(f"{win[s]:.3f}" for s in seeds)
+    verifier = ", ".join(f"{last[s]['eval/win_rate_verifier']:.3f}" for s in seeds)
+    greedy = ", ".join(f"{a:.3f} -> {b:.3f}" for a, b in acc.values())
+    return (f"{verdict} (RM win rates {wins}, noise +-{noise:.3f}); by the verifier: {by_verifier} (win rates "
+            f"{verifier}; greedy accuracy {greedy})")
+
+
+def collapse_verdict(runs: dict, seeds: list, n: int, steps: int) -> str:
+    col = {(a, s): collapsed(runs[(a, s)], steps) for a in ("noisy_on", "noisy_off") for s in seeds}
+    acc = {(a, s): evals_of(runs[(a, s)])[-1]["eval/greedy_accuracy"] for a in ("noisy_on", "noisy_off") for s in seeds}
+    if all(col[("noisy_off", s)] and not col[("noisy_on", s)] for s in seeds):
+        verdict = "shown"
+    elif any(col[("noisy_on", s)] for s in seeds):
+        verdict = "not shown (the envelope did not prevent a collapse)"
+    elif not any(col.values()) and all(acc[("noisy_on", s)] - acc[("noisy_off", s)] >
+                                       margin(acc[("noisy_on", s)], acc[("noisy_off", s)], n) for s in seeds):
+        verdict = "partly shown (no collapse either way; the envelope ends higher beyond the noise on each seed)"
+    else:
+        verdict = "not shown"
+    return f"{verdict}. " + "; ".join(f"seed {s}: off {fate(runs[('noisy_off', s)], col[('noisy_off', s)])}, "
+                                      f"on {fate(runs[('noisy_on', s)], col[('noisy_on', s)])}" for s in seeds)
+
+
+def gates(cli, stages: dict, probe: list, counts: dict) -> dict:
+    """The gate of both claims: its lines, what failed of each ({claim: [gate, figures]}), what each lets its verdict
+    be ('passes', 'pending (the RM probe)' or 'untestable here: ...') and the chosen RM's name."""
     s0 = evals_of(stages)[0]
-    sft_greedy = s0["eval/greedy_accuracy"]
-    gates = {name: gate(c, {"leaks": 0, "contexts": 0}) for name, c in claims(cli, sft_greedy).items()}
-    gated = lambda name, v: f"{untestable(gates[name][1])} (the rule alone: {v})" if gates[name][1] else v  # noqa: E731
-    kinds = " ".join(f"{k.split('/')[-1]} {s0[k]:.3f}" for k in sorted(s0) if k.startswith("rm/pair_accuracy/"))
-    lines = ["# PPO for small LMs on SmolLM2-135M-Instruct (issue 39)", "",
+    cl = claims(cli, s0["eval/greedy_accuracy"])
+    (out_lines, out_failed), (col_lines, col_failed) = (gate(cl[c], {"leaks": 0, "contexts": 0})
+                                                        for c in ("outcome", "collapse"))
+    rm_line, rm_failed, chosen = rm_gate(probe, counts)
+    budget_line, budget_failed = budget_gate(cli, s0["eval/entropy"])
+    failed = {"outcome": out_failed + rm_failed, "collapse": col_failed + budget_failed}
+    said = {}
+    for c, f in failed.items():
+        final = [x for x in f if not x.startswith("pending")]
+        said[c] = untestable(final) if final else "pending (the RM probe)" if f else "passes"
+    return {"lines": [*out_lines, rm_line, *col_lines, budget_line], "failed": failed, "said": said, "chosen": chosen}
+
+
+def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix: dict | None, runs: dict,
+           sigma: float | None) -> str:
+    n, s0 = cli.num_eval_prompts, evals_of(stages)[0]
+    sft_greedy, sft_entropy = s0["eval/greedy_accuracy"], s0["eval/entropy"]
+    g = gates(cli, stages, probe, counts)
+    failed, said, chosen = g["failed"], g["said"], g["chosen"]
+    gated = lambda c, v: f"{said[c]} (the rule alone: {v})" if failed[c] else v  # noqa: E731
+    lines = ["# PPO for small LMs on SmolLM2-135M-Instruct (issues 39, 63)", "",
              f"`python -m benchmarks.claims.ppo_slm_smollm2 --steps {cli.steps} --sft-steps {cli.sft_steps} --rm-steps "
              f"{cli.rm_steps} --num-eval-prompts {n}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU, "
-             f"{torch.get_num_threads()} thread(s). Each run: `python ppo_slm.py {' '.join(stage_flags(cli))} "
-             "--sft-adapter STAGES/sft_adapter --reward-model STAGES/reward_model --num-prompts 16 --minibatch-size 8 "
-             f"--total-steps {cli.steps} --seed S` plus its arm's flags. Held out: {n} level-{LEVEL} prompts, one "
-             f"sample each (T 0.9) for the RM score and win rates, greedy for accuracy; a rate's noise is up to "
-             f"+-{margin(0.5, 0.5, n) / 2 ** 0.5:.2f} at 0.5.", "", *gate_section(list(gates.values()), list(gates)),
+             f"{torch.get_num_threads()} thread(s), testbed-nl version {GROUND}. Each arm: `python ppo_slm.py "
+             f"{' '.join(stage_flags(cli))} --sft-adapter STAGES/sft_adapter --reward-model RM --num-prompts 16 "
+             f"--minibatch-size 8 --total-steps {cli.steps} --seed S` plus its arm's flags. Held out: {n} "
+             f"level-{LEVEL} prompts, one sample each (T 0.9) for the RM score, win rates and entropy, greedy for "
+             f"accuracy; a rate's noise is up to +-{detectable(0.5, n, against=0.5):.3f} at 0.5.", "",
+             "## The gate (claim_runs.py, the reward model and the budget, before any arm trains)", "",
+             *g["lines"], "",
+             f"Gate: outcome: {said['outcome']}; collapse: {said['collapse']}.", "",
              "## The ground", "",
-             f"SFT (LoRA r 16, {cli.sft_steps} steps of 16 worked solutions) and the reward model ({cli.rm_steps} "
-             f"steps of 16 pairs) from SmolLM2-135M-Instruct, seed 1, {stages['seconds'] / 60:.0f} minutes. Reward "
-             f"model held-out pair accuracy {s0['rm/pair_accuracy']:.3f} on {cli.num_eval_pairs} pairs (by what is "
-             f"wrong in the rejected solution: {kinds}; a wrong step keeps the right final answer). The SFT policy: "
-             f"greedy accuracy {sft_greedy:.3f}, mean RM score of its samples {s0['eval/rm_score']:.3f}."]
-    head = ["", "| run | seed | steps | greedy accuracy | RM score | win rate (RM) | win rate (verifier) | KL to ref "
-            "(last 5) | max ratio | guard skips | rollbacks | minutes |", "|---|---|" + "---|" * 10]
+             f"SFT (LoRA r 16, {cli.sft_steps} steps of 16 worked solutions) from SmolLM2-135M-Instruct, seed 1; the "
+             f"SFT policy: greedy accuracy {sft_greedy:.3f}, sampled {s0['eval/sampled_accuracy']:.3f}, entropy "
+             f"{sft_entropy:.4f} nats a token of its samples (T 0.9, top-p 0.95), mean RM score of its samples "
+             f"{s0['eval/rm_score']:.3f} (the stages' RM). The SFT model's own likelihood prefers the chosen solution "
+             f"on {stages['measured']['likelihood']:.3f} of the {cli.num_eval_pairs} held-out pairs (by kind: "
+             f"{by_kind(stages['measured'], 'likelihood')}): the backbone an RM starts from can tell that much.", "",
+             "The reward-model probe (in order, until one tells a wrong answer; pairs of 16 a step, lr 5e-4):", "",
+             "| RM | steps | training pairs | LoRA r | held-out pair accuracy | on its training pairs | tells a wrong "
+             "answer | minutes |", "|---|---|---|---|---|---|---|---|"]
+    for name, args, rec in probe:
+        row = rec["rows"][0]
+        lines.append(f"| {name} | {args.rm_steps} | {args.num_train_examples} | {args.rm_lora_r} | "
+                     f"{row['rm/pair_accuracy']:.3f} ({by_kind(row, 'rm/pair_accuracy')}) | "
+                     f"{row.get('rm/train_pair_accuracy', float('nan')):.3f} "
+                     f"({by_kind(row, 'rm/train_pair_accuracy')}) | "
+                     f"{'yes' if tells_wrong_answers(row, counts) else 'no'} | {minutes(rec):.0f} |")
+    lines += ["", f"Chosen: {chosen}." if chosen else "Chosen: none." if len(probe) == len(RM_PROBE) else
+              "Chosen: none yet (the probe goes on: --probe-only)."]
+    head = ["", "| run | seed | steps | greedy accuracy | RM score | win rate (RM) | win rate (verifier) | entropy | "
+            "KL to ref (last 5) | max ratio | guard skips | rollbacks | minutes |", "|---|---|" + "---|" * 11]
     if naive is not None:
-        moved = runs.get(("ppo", 1), {}).get("measured", {})
         lines += ["", "## 1. The adapter freeze", "",
                   f"Naive path (`--policy-init naive_adapter`): {naive['trainable_lm_tensors']} trainable of "
                   f"{naive['lora_tensors']} LoRA tensors after PeftModel.from_pretrained; the run: {naive['ended']}"]
-        if moved:
-            lines += ["", f"Merge-and-reinit (the outcome run, seed 1): {moved['lora_b_moved']} of {moved['lora_b']} "
-                      f"LoRA B matrices moved off their starting 0 in {cli.steps} steps."]
+        if fix is not None:
+            moved = fix["measured"]
+            lines += ["", f"Merge-and-reinit (`fix`, 2 steps): {moved['lora_b_moved']} of {moved['lora_b']} LoRA B "
+                      "matrices moved off their starting 0."]
             shown = naive["trainable_lm_tensors"] == 0 and "freeze" in naive["ended"] and \
                 moved["lora_b_moved"] == moved["lora_b"] > 0
             lines += ["", f"Verdict, freeze: {'shown' if shown else 'not shown'} (rule: module docstring)."]
-    dtypes = [dt for dt in ("fp32", "bf16") if (dt, 1) in runs]
-    if dtypes:
-        lines += ["", "## 2. bfloat16 importance ratios", "",
-                  f"`--ppo-dtype float32` / `bfloat16`, {cli.bf16_steps} PPO steps of 8 prompts (mini-batches of 4), "
-                  "32 new tokens, seed 1, the same SFT model.", "",
-                  "| dtype | max ratio | largest fraction of a step's tokens with ratio > 10 or not finite | "
-                  "guard skips | logits fixed | minutes |",
-                  "|---|---|---|---|---|---|"]
-        stats = {}
-        for dt in dtypes:
-            st = steps_of(runs[(dt, 1)])
-            stats[dt] = (max(r["safety/max_ratio"] for r in st), max(r["safety/ratio_above_10"] for r in st))
-            lines.append(f"| {dt} | {stats[dt][0]:.3g} | {stats[dt][1]:.4f} | "
-                         f"{sum(r['safety/ratio_guard_skips'] for r in st)} | "
-                         f"{sum(r['safety/logit_fixes'] for r in st)} | {runs[(dt, 1)]['seconds'] / 60:.0f} |")
-        bad = lambda m, f: not m <= 5 or f > 0  # noqa: E731 (NaN counts as bad)
-        if len(dtypes) == 2:
-            shown = bad(*stats["bf16"]) and not bad(*stats["fp32"])
-            lines += ["", "Verdict, bfloat16: untestable here: the check cannot fail on this ground. The old and the new "
-                      "log-probs of a ratio come from the same forward (the same dtype and batch size, a float32 "
-                      "log-softmax), so a ratio moves only with the update, in either dtype (issue 56; the rule "
-                      f"alone: {'shown' if shown else 'not shown'})."]
-        else:
-            lines += ["", f"Incomplete: only the {dtypes[0]} run is recorded; rerun the command."]
+    lines += ["", "## 2. bfloat16 importance ratios", "",
+              "Verdict, bfloat16: needs a GPU. The overflow needs CUDA passes whose old and new log-probs disagree; on "
+              "this CPU both come from the same forward (the same dtype and batch size, a float32 log-softmax), so a "
+              "ratio moves only with the update, in either dtype (issue 56). benchmarks/speed/gpu_check.py has no part "
+              "for it: its part 1 runs ppo_slm.py on CUDA in float32 only."]
+    lines += ["", "## 3. Reward-model error", ""]
     noisy = sorted(k for k in runs if k[0].startswith("noisy"))
-    if noisy:
-        lines += ["", "## 3. Reward-model error", "",
-                  f"N(0, ({NOISE_SIGMAS:g} x {sigma:.3f})^2) added to every training score (sigma: RM score std of the "
+    if sigma is not None and noisy:
+        lines += [f"N(0, ({NOISE_SIGMAS:g} x {sigma:.3f})^2) added to every training score (sigma: RM score std of the "
                   "clean seed-1 run's first 5 steps); evaluation with the clean RM. Envelope off: " +
-                  " ".join(f"`{f}`" for f in ENVELOPE_OFF) + ". Collapse: greedy accuracy below "
-                  f"{sft_greedy / 2:.3f} (half the SFT policy's) or an early stop.", *head]
-        for name, seed in noisy:
-            lines.append(run_row(name, seed, runs[(name, seed)]))
-        seeds = sorted({s for _, s in noisy if ("noisy_on", s) in runs and ("noisy_off", s) in runs})
-        if seeds != sorted(cli.seeds) or len(seeds) < 2:
-            lines += ["", f"Incomplete: seeds with both noisy runs {seeds or 'none'} of {list(cli.seeds)} (a verdict "
-                      "needs two); rerun the command."]
-        else:
-            col = {(a, s): collapsed(runs[(a, s)], sft_greedy, cli.steps) for a in ("noisy_on", "noisy_off")
-                   for s in seeds}
-            acc = {(a, s): evals_of(runs[(a, s)])[-1]["eval/greedy_accuracy"] for a in ("noisy_on", "noisy_off")
-                   for s in seeds}
-            if all(col[("noisy_off", s)] and not col[("noisy_on", s)] for s in seeds):
-                verdict = "shown"
-            elif any(col[("noisy_on", s)] for s in seeds):
-                verdict = "not shown (the envelope did not prevent a collapse)"
-            elif not any(col.values()) and all(acc[("noisy_on", s)] - acc[("noisy_off", s)] >
-                                               margin(acc[("noisy_on", s)], acc[("noisy_off", s)], n) for s in seeds):
-                verdict = ("partly shown (no collapse either way; the envelope ends higher beyond the noise on each "
-                           "seed)")
-            else:
-                verdict = "not shown"
-            lines += ["", f"Verdict, collapse (seeds {seeds}): {gated('collapse', verdict)}. " + "; ".join(
-                f"seed {s}: off {fate(runs[('noisy_off', s)], col[('noisy_off', s)])}, "
-                f"on {fate(runs[('noisy_on', s)], col[('noisy_on', s)])}" for s in seeds)]
+                  " ".join(f"`{f}`" for f in ENVELOPE_OFF) + ". Collapse: greedy accuracy below half the run's start "
+                  "or an early stop.", *head, *(run_row(a, s, runs[(a, s)]) for a, s in noisy)]
+    seeds = sorted({s for _, s in noisy if ("noisy_on", s) in runs and ("noisy_off", s) in runs})
+    if failed["collapse"]:
+        lines += ["", f"Verdict, collapse: {said['collapse']}."] if noisy else [
+            f"Not run. Verdict, collapse: {said['collapse']}."]
+    elif seeds == sorted(cli.seeds) and len(seeds) >= 2:
+        lines += ["", f"Verdict, collapse (seeds {seeds}): {collapse_verdict(runs, seeds, n, cli.steps)}"]
+    else:
+        lines += ["", f"Incomplete: seeds with both noisy runs {seeds or 'none'} of {list(cli.seeds)}; rerun."]
+    lines += ["", "## 4. The outcome: PPO against the SFT policy"]
     outcome = sorted(s for a, s in runs if a == "ppo")
     if outcome:
-        lines += ["", "## 4. The outcome: PPO against the SFT policy", *head]
-        lines += [run_row("ppo", s, runs[("ppo", s)]) for s in outcome]
-        if outcome == sorted(cli.seeds) and len(outcome) >= 2:
-            win = {s: evals_of(runs[("ppo", s)])[-1] for s in outcome}
-            beyond = [win[s]["eval/win_rate_rm"] - 0.5 > margin(0.5, 0.5, n) / 2 ** 0.5 for s in outcome]
-            above = [win[s]["eval/win_rate_rm"] > 0.5 for s in outcome]
-            verifier_ok = all(win[s]["eval/win_rate_verifier"] >= 0.5 for s in outcome)
-            verdict = ("shown" if all(beyond) and verifier_ok else
-                       "partly shown" if all(above) or any(beyond) else "not shown")
-            lines += ["", f"Verdict, outcome: {gated('outcome', verdict)} (RM win rates " + ", ".join(
-                f"{win[s]['eval/win_rate_rm']:.3f}" for s in outcome) + "; verifier " + ", ".join(
-                f"{win[s]['eval/win_rate_verifier']:.3f}" for s in outcome) + ")."]
-        else:
-            lines += ["", f"Incomplete: outcome seeds finished {outcome} of {list(cli.seeds)}; rerun the command."]
+        lines += [*head, *(run_row("ppo", s, runs[("ppo", s)]) for s in outcome)]
+    if outcome == sorted(cli.seeds) and len(outcome) >= 2:
+        lines += ["", f"Verdict, outcome: {gated('outcome', outcome_verdict(runs, outcome, n))}."]
+    elif failed["outcome"]:
+        lines += ["", f"Not run. Verdict, outcome: {said['outcome']}."]
+    else:
+        lines += ["", f"Incomplete: outcome seeds finished {outcome} of {list(cli.seeds)}; rerun the command."]
     return "\n".join(lines) + "\n"
 
 
 ARMS = ("ppo", "noisy_on", "noisy_off")
-"""The arms made per seed (the stages, the naive path and the ratio runs are made once, with seed 1)."""
+"""The arms made per seed (the stages, the probe and the freeze pair are made once, with seed 1)."""
 
 
 def main():
@@ -283,72 +495,100 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds of the outcome and noisy-RM runs")
     p.add_argument("--steps", type=int, default=40, help="PPO steps of the outcome and noisy-RM runs")
     p.add_argument("--sft-steps", type=int, default=60)
-    p.add_argument("--rm-steps", type=int, default=150)
-    p.add_argument("--bf16-steps", type=int, default=2, help="PPO steps of the float32 / bfloat16 ratio runs")
-    p.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                   help="the ratio runs to make (bf16 can be far slower on a CPU: leave it out of a smoke run)")
+    p.add_argument("--rm-steps", type=int, default=150, help="the stages' RM steps (the probe's others: multiples)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
                    help="the per-seed arms to make (two processes can share a seed's arms; the full report afterwards: "
                         "--report-only)")
-    p.add_argument("--num-eval-prompts", type=int, default=80)
+    p.add_argument("--num-eval-prompts", type=int, default=160)
     p.add_argument("--num-eval-pairs", type=int, default=200)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "ppo_slm_smollm2.md"))
-    p.add_argument("--output-dir", default=os.path.join("runs", "ppo_slm_smollm2"), help="run folders")
-    p.add_argument("--records", default=os.path.join(ROOT, "benchmarks", "claims", "runs", "ppo_slm_smollm2"))
+    p.add_argument("--output-dir", default=os.path.join("runs", "ppo_slm_smollm2_v2"), help="run folders")
+    p.add_argument("--records", default=os.path.join(RECORDS, "v2"))
+    p.add_argument("--probe-only", action="store_true", help="the stages, the RM probe and the gate; no arm")
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing new")
     cli = p.parse_args()
     os.chdir(ROOT)  # the runs' --sft-adapter / --reward-model are relative: records made in one clone read in another
-    stages_args = run_args(cli, "stages", 1)
-    stages_args.total_steps = 0  # SFT, the reward model and the SFT policy's evaluation only
-    runs, naive, sigma = {}, None, None
+    make = not cli.report_only
+    stages_args = run_args(cli, "stages", 1, "--total-steps", "0")  # SFT, the RM and the SFT policy's evaluation
+    measures = {"stages": lambda d: likelihood_prefers(d, stages_args)}  # by run name; the others: lora_b_moved
+    state = {"probe": [], "naive": None, "fix": None, "runs": {}, "sigma": None}
 
     def write():
         with open(cli.out, "w") as f:
-            f.write(report(cli, stages, naive, runs, sigma))
+            f.write(report(cli, stages, state["probe"], counts, state["naive"], state["fix"], state["runs"],
+                           state["sigma"]))
 
-    def have(args) -> bool:
-        return os.path.exists(os.path.join(cli.records, f"{args.run_name}.json"))
+    def have(args) -> bool:  # a record finished_run reads back: nothing to make
+        try:
+            with open(os.path.join(cli.records, f"{args.run_name}.json")) as f:
+                rec = json.load(f)
+            return same_args(rec["args"], json.loads(json.dumps(dataclasses.asdict(args))),
+                             dataclasses.asdict(ppo_slm.Args())) and (not make or rec.get("ground", 1) == GROUND)
+        except (OSError, ValueError, KeyError):
+            return False
 
-    plan = [("ppo", s, []) for s in cli.seeds if "ppo" in cli.arms or cli.report_only]
-    arm_runs = [run_args(cli, a, s, *f) for a, s, f in plan]
-    small = ["--num-prompts", "8", "--minibatch-size", "4", "--max-new-tokens", "32", "--num-eval-prompts", "4",
-             "--total-steps", str(cli.bf16_steps)]
-    ratio_runs = {dt: run_args(cli, dt, 1, *small, "--ppo-dtype", "float32" if dt == "fp32" else "bfloat16")
-                  for dt in cli.dtypes}
-    naive_args = run_args(cli, "naive", 1, "--policy-init", "naive_adapter", "--total-steps", "2")
-    names = ([a.run_name for a in arm_runs + list(ratio_runs.values())] + ["naive"] +
-             [f"{a}_seed{s}" for s in cli.seeds for a in ("noisy_on", "noisy_off")])
-    need_weights = not cli.report_only and not all(os.path.exists(os.path.join(cli.records, f"{name}.json"))
-                                                   for name in names)  # a run to make needs the stages' folder
-    stages = finished_run(ppo_slm, stages_args, cli.records, weights=need_weights, make=not cli.report_only)
-    if (1 in cli.seeds and not cli.report_only) or os.path.exists(os.path.join(cli.records, "naive.json")):
-        naive = cached(os.path.join(cli.records, "naive.json"), {"args": naive_args.run_name, "steps": cli.steps,
-                                                                 "sft_steps": cli.sft_steps},
-                       lambda: naive_freeze(naive_args), make=not cli.report_only)
-    for (arm, seed, _), args in zip(plan, arm_runs):
-        if cli.report_only and not have(args):
-            continue
-        runs[(arm, seed)] = finished_run(ppo_slm, args, cli.records, lora_b_moved, make=not cli.report_only)
+    def run(args, needs=()) -> dict | None:
+        """The record of `args` (None where a report from the records has none); when it is to be made, the run
+        folders of `needs` (the runs whose weights it starts from) are made first if they are gone."""
+        if not make and not have(args):
+            return None
+        if not have(args):
+            for dep in needs:
+                finished_run(ppo_slm, dep, cli.records, measures.get(dep.run_name), weights=True)
+        return finished_run(ppo_slm, args, cli.records, measures.get(args.run_name), make=make)
+
+    stages = run(stages_args)
+    if stages is None:
+        raise SystemExit(f"error: no record of the stages in {cli.records}: rerun without --report-only")
+    counts = kind_counts(stages_args)
+    chosen = None
+    for name, times, passes, rank in RM_PROBE:  # in order, until one tells a wrong answer
+        args = stages_args if name == "stages" else probe_args(cli, name, times, passes, rank)
+        rec = stages if name == "stages" else run(args, [stages_args])
+        if rec is None:
+            break
+        state["probe"].append((name, args, rec))
         write()
-    for dt, args in ratio_runs.items():
-        if cli.report_only and not have(args):
-            continue
-        runs[(dt, 1)] = finished_run(ppo_slm, args, cli.records, make=not cli.report_only)
+        if tells_wrong_answers(rec["rows"][0], counts):
+            chosen = args
+            break
+    if not cli.probe_only:
+        rm = rm_folder(chosen) if chosen else ""
+        needs = [stages_args] + ([chosen] if chosen and chosen is not stages_args else [])
+        small = ["--num-eval-prompts", "4", "--total-steps", "2"]
+        naive_args = run_args(cli, "naive", 1, "--policy-init", "naive_adapter", *small, rm=rm_folder(stages_args))
+        naive_path = os.path.join(cli.records, "naive.json")
+        if make or os.path.exists(naive_path):
+            if make and not os.path.exists(naive_path):
+                finished_run(ppo_slm, stages_args, cli.records, measures["stages"], weights=True)
+            state["naive"] = cached(naive_path, {"args": naive_args.run_name, "sft_steps": cli.sft_steps},
+                                    lambda: naive_freeze(naive_args), make=make)
+        fix_args = run_args(cli, "fix", 1, *small, rm=rm_folder(stages_args))
+        measures[fix_args.run_name] = lora_b_moved
+        state["fix"] = run(fix_args, [stages_args])
         write()
-    ref = run_args(cli, "ppo", 1)  # sigma of the injected error: the clean seed-1 run's, whatever seeds run here
-    clean = runs.get(("ppo", 1)) or (finished_run(ppo_slm, ref, cli.records, lora_b_moved, make=not cli.report_only)
-                                        if have(ref) else None)
-    if clean is not None:
-        sigma = sum(r["rm/score_std"] for r in steps_of(clean)[:5]) / len(steps_of(clean)[:5])
-        for seed in cli.seeds:
-            for arm, flags in (("noisy_on", []), ("noisy_off", ENVELOPE_OFF)):
-                if arm not in cli.arms and not cli.report_only:
-                    continue
-                args = run_args(cli, arm, seed, *flags, "--rm-noise-std", f"{NOISE_SIGMAS * sigma:.4f}")
-                if cli.report_only and not have(args):
-                    continue
-                runs[(arm, seed)] = finished_run(ppo_slm, args, cli.records, make=not cli.report_only)
+        failed = gates(cli, stages, state["probe"], counts)["failed"]
+        for seed in cli.seeds:  # the clean run: the outcome's arm, and (seed 1) the sigma of the noisy ones
+            wanted = ("ppo" in cli.arms and not failed["outcome"]) or (seed == 1 and not failed["collapse"])
+            args = run_args(cli, "ppo", seed, rm=rm)
+            measures[args.run_name] = lora_b_moved
+            rec = run(args, needs) if rm and (wanted or not make) else None
+            if rec is not None:
+                state["runs"][("ppo", seed)] = rec
                 write()
+        clean = state["runs"].get(("ppo", 1))
+        if clean is not None:
+            state["sigma"] = float(np.mean([r["rm/score_std"] for r in steps_of(clean)[:5]]))
+            for seed in cli.seeds:
+                for arm, flags in (("noisy_on", []), ("noisy_off", ENVELOPE_OFF)):
+                    if make and (arm not in cli.arms or failed["collapse"]):
+                        continue
+                    args = run_args(cli, arm, seed, *flags, "--rm-noise-std", f"{NOISE_SIGMAS * state['sigma']:.4f}",
+                                    rm=rm)
+                    rec = run(args, needs)
+                    if rec is not None:
+                        state["runs"][(arm, seed)] = rec
+                        write()
     write()
     with open(cli.out) as f:
         print(f.read())
