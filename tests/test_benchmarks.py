@@ -587,7 +587,7 @@ def test_the_sec_claim_keeps_its_runs_as_records_and_reports_from_them_alone(tmp
         steps = [{"step": s, "time": 1.0 + s, "reward/mean": 0.5, "perf/step_time": 60.0, "adv/frac_zero_std": 0.5,
                   **{f"sec/level_frac/level_{k}": live if k == 2 else (1 - live) / 2 for k in levels},
                   **{f"sec/prob/arm_{k}": 1 / 3 for k in levels}, "sec/count/arm_2": 4 * live,
-                  "sec/success/arm_2": 0.25} for s in (1, 2)]
+                  "sec/success/arm_2": 0.25, "sec/mean_abs_adv/arm_2": 0.375} for s in (1, 2)]
         with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in [ev(0, 0.3), *steps, ev(2, 0.4 + a.seed / 10)])
 
@@ -609,6 +609,7 @@ def test_the_sec_claim_keeps_its_runs_as_records_and_reports_from_them_alone(tmp
     assert sorted(p.name for p in records.iterdir() if not p.name.startswith("start")) == [
         "sec_seed1.json", "sec_seed2.json", "uniform_seed1.json", "uniform_seed2.json"]
     assert "| uniform | 2 | 0.300 -> 0.700 | 0.300 -> 0.600 |" in made and "## Verdict: untestable here" in made
+    assert "| 0.250 | 0.375 | 0.500 |" in made  # level 2's sampled success and its arm reward, as training met them
     assert "| SEC | 1 | 2 | 0.75 | 0.750 |" in made  # the levels each arm drew, from the rows
     assert "`python rloo_sec.py --model-name smollm2-135m-instruct --dataset testbed-nl --levels 2 3 5" in made
     os.rename(tmp_path / "runs", tmp_path / "gone")  # a new session's checkout: no run folders

@@ -280,7 +280,8 @@ def summarise(record: dict, start: dict) -> dict:
     """What the report shows of one run's record (claim_runs.finished_run): the judged level-2 accuracy before (the
     start's record) and after (measured on its final weights), the trainer's evaluations of every level, and per step
     the levels drawn (sec/level_frac: the share of the step's prompts from each level) and the bandit's probabilities
-    (sec/prob: uniform's are 1/3 whatever its Q)."""
+    (sec/prob: uniform's are 1/3 whatever its Q); the arm reward level 2's groups returned (sec/mean_abs_adv, over
+    the steps that drew it), the mechanism line's 2p(1-p) as training met it."""
     evals = [r for r in record["rows"] if "eval/greedy_accuracy" in r]
     rows = [r for r in record["rows"] if "reward/mean" in r]
     drawn = [r[f"sec/count/arm_{LIVE}"] for r in rows]
@@ -293,6 +294,8 @@ def summarise(record: dict, start: dict) -> dict:
         "share": {lv: [r[f"sec/level_frac/level_{lv}"] for r in rows] for lv in LEVELS},
         "prob": {lv: [r[f"sec/prob/arm_{lv}"] for r in rows] for lv in LEVELS},
         "live_success": sum(right) / sum(drawn) if sum(drawn) else float("nan"),
+        "live_abs_adv": float(np.mean([r[f"sec/mean_abs_adv/arm_{LIVE}"] for r, c in zip(rows, drawn) if c]
+                                      or [float("nan")])),
         "zero_std": float(np.mean([r["adv/frac_zero_std"] for r in rows])), "seconds": record["seconds"],
     }
 
@@ -351,9 +354,12 @@ def report(res: dict, cli, flags: list, section: list, failed: list, n_judged: i
              f"trainer's own evaluation, {n} problems a level, gives every level (+-{margin(0.5, 0.5, n):.2f}).", "",
              *section,
              "The design (module docstring): one live level and two dead ones. On the base model, greedy 0.225 / 0.000 "
-             "/ 0.000 on levels 2 / 3 / 5 (benchmarks/premises/testbed_premises_smollm2.md) and a sampled level-2 "
-             f"success of {p0:.3f} (the starts' records): a dead level's RLOO groups have no advantage, so its Q "
-             "stays 0 and SEC should draw level 2 above a third of the time; uniform draws it a third."]
+             "/ 0.000 on levels 2 / 3 / 5 (benchmarks/premises/testbed_premises_smollm2.md); "
+             + ("the same model is both arms' start" if cli.start == "base" else
+                f"both arms start from {STARTS[cli.start]} (levels 3 and 5 still at 0.000 / 0.025 there)")
+             + f", whose sampled level-2 success is {p0:.3f} (the starts' records): a dead level's RLOO groups have no "
+             "advantage, so its Q stays 0 and SEC should draw level 2 above a third of the time; uniform draws it a "
+             "third."]
     done = [s for s in cli.seeds if all((arm, s) in res for arm in ARMS)]
 
     def judge(seeds):
@@ -369,13 +375,17 @@ def report(res: dict, cli, flags: list, section: list, failed: list, n_judged: i
     lines += ["", "## Held-out greedy accuracy before -> after", "",
               f"Level 2 judged ({cli.judge_problems} problems), then every level by the trainer ({n} a level). Level-2 "
               "success: the sampled success of the training groups drawn from level 2 over the run (the p of the "
-              "mechanism line, as training met it). Zero-advantage groups: of all the run's groups.", "",
-              f"| arm | seed | level 2 judged | {lv} | level-2 success | zero-adv groups | minutes |",
-              "|---|---|---|" + "---|" * (len(LEVELS) + 3)]
+              "mechanism line, as training met it); level-2 mean |A|: SEC's arm reward for level 2 as training met it "
+              "(rloo_sec.py's sec/mean_abs_adv, over the steps that drew level 2), against the mechanism line's "
+              f"2p(1-p) = {mean_abs_advantage(p0):.3f} at the start's p (less where a level's problems differ in p: "
+              "2 E[p_x(1 - p_x)]). Zero-advantage groups: of all the run's groups.", "",
+              f"| arm | seed | level 2 judged | {lv} | level-2 success | level-2 mean abs(A) | zero-adv groups | "
+              "minutes |", "|---|---|---|" + "---|" * (len(LEVELS) + 4)]
     for (arm, seed), r in res.items():
         cells = " | ".join(f"{r['before'][x]:.3f} -> {r['after'][x]:.3f}" for x in LEVELS)
         lines.append(f"| {SHOWN[arm]} | {seed} | {r['judged_before']:.3f} -> {r['judged_after']:.3f} | {cells} | "
-                     f"{r['live_success']:.3f} | {r['zero_std']:.3f} | {r['seconds'] / 60:.0f} |")
+                     f"{r['live_success']:.3f} | {r['live_abs_adv']:.3f} | {r['zero_std']:.3f} | "
+                     f"{r['seconds'] / 60:.0f} |")
     width = 5
     spans = [f"{i + 1}-{min(i + width, cli.steps)}" for i in range(0, cli.steps, width)]
     lines += ["", "## Where each arm drew its prompts", "",
