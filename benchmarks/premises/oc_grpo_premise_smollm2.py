@@ -277,7 +277,7 @@ def report(results: dict, a, todo: list, seconds: float) -> str:
         lines += [*premise_lines(base), "", (f"The claim's cliff: level {design[0]}, --prefix-fractions "
                                              f"{' '.join(f'{f:g}' for f in design[1])} (the passing level with the "
                                              "largest lift)" if design else f"Cliff level: none, "
-                                             f"{untestable_figures(base)}") + ("." if complete else " (so far)."), ""]
+                                             f"{untestable_figures(base)}") + ("." if not any(t.startswith("base ") for t in todo) else " (so far)."), ""]
     else:
         lines += ["No unguided cell of the base model measured yet.", ""]
     if "start" not in a.models:
