@@ -198,6 +198,9 @@ class HFEngine:
         return_logprobs: bool = False,
     ) -> Rollouts:
         """`n` completions per prompt, rows grouped as [p0 x n, p1 x n, ...]."""
+        if not greedy and not temperature > 0:  # else softmax(logits / 0) reaches torch.multinomial as nan
+            raise ValueError(f"temperature {temperature}: sampling needs a temperature > 0; greedy=True decodes the "
+                             "most likely token")
         tok, model = self.tokenizer, self.model
         ids_UL, mask_UL = left_pad(prompt_ids, tok.pad_token_id)
         device = next(model.parameters()).device

@@ -151,6 +151,14 @@ def test_sampling_loop_greedy_equals_model_generate(weak_model_dir):
     assert torch.equal(loop.completion_mask_BC, ref.completion_mask_BC)
 
 
+def test_sampling_at_temperature_zero_is_a_clear_error_not_a_nan_inside_torch(weak_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
+    tok = AutoTokenizer.from_pretrained(weak_model_dir)
+    for loop in (True, False):
+        with pytest.raises(ValueError, match="temperature 0.0: sampling needs a temperature > 0"):
+            HFEngine(model, tok, loop=loop).generate([tok("Q:1+2\nA:")["input_ids"]], temperature=0.0)
+
+
 def test_sampling_loop_draws_from_the_model_distribution(weak_model_dir):
     """First-token frequencies over many samples match softmax(logits / T) (total variation)."""
     model = AutoModelForCausalLM.from_pretrained(weak_model_dir)
