@@ -289,19 +289,6 @@ def old_logprobs_values(policy, rollouts, args: Args, device: str) -> tuple[torc
     return torch.cat([p[0] for p in parts]).cpu() * mask_BC, torch.cat([p[1] for p in parts]).cpu() * mask_BC
 
 
-@torch.no_grad()
-def mean_entropy(model, rollouts, args: Args, device: str) -> float:
-    """Mean entropy per completion token of the distribution the sampler drew `rollouts` from (the temperature, the
-    top-p nucleus): the training loop's policy/entropy, on held-out samples; what randomness PPO has left to lose."""
-    total, mask_BC = 0.0, rollouts.completion_mask_BC
-    for r in torch.arange(len(mask_BC)).split(args.minibatch_size):
-        _, entropy_BC = rollout.completion_logprobs(model, rollouts.input_ids_BT[r].to(device),
-                                                    rollouts.attention_mask_BT[r].to(device), rollouts.prompt_len,
-                                                    args.temperature, with_entropy=True, top_p=args.top_p)
-        total += (entropy_BC.float().cpu() * mask_BC[r]).sum().item()
-    return total / max(mask_BC.sum().item(), 1.0)
-
-
 # Safety: finite logits in sampling, rollback of non-finite weights, and the silent-freeze check
 class FiniteLogits:
     """A logits guard for HFEngine (a transformers LogitsProcessor too): NaN -> -bound, +-inf -> +-bound, then clamp
@@ -435,7 +422,9 @@ def main(args: Args) -> dict:
         rollouts = generate(model, eval_ids, FiniteLogits(), bar=bar)
         s_B = stages.sequence_scores(rm, rollouts.input_ids_BT, rollouts.attention_mask_BT, tokenizer.pad_token_id)
         out, c_B = {"eval/rm_score": s_B.mean().item()}, None
-        out["eval/entropy"] = mean_entropy(model, rollouts, args, device)
+        _, entropy_BC = rollout.batched_logprobs(model, rollouts, args.temperature, args.minibatch_size,
+                                                 top_p=args.top_p, with_entropy=True)  # what PPO has left to lose
+        out["eval/entropy"] = entropy_BC.sum().item() / max(rollouts.completion_mask_BC.sum().item(), 1.0)
         if is_testbed:
             c_B = verify(rollouts.texts, eval_ex)
             out["eval/sampled_accuracy"] = c_B.mean().item()

@@ -687,17 +687,20 @@ def completion_logprobs(model, input_ids_BT, attention_mask_BT, prompt_len: int,
 
 @torch.no_grad()
 def batched_logprobs(model, rollouts: Rollouts, temperature: float, micro_batch_size: int,
-                     share_prompt: bool = False, top_p: float = 1.0) -> torch.Tensor:
-    """No-grad `completion_logprobs` over the whole batch, `micro_batch_size` rows at a time."""
+                     share_prompt: bool = False, top_p: float = 1.0, with_entropy: bool = False):
+    """No-grad `completion_logprobs` over the whole batch, `micro_batch_size` rows at a time; with_entropy: also the
+    entropy per token of the distribution sampled from, as (logp_BC, entropy_BC). Both 0 past the end."""
     device = next(model.parameters()).device
-    out = []
+    out, ents = [], []
     for s in range(0, rollouts.input_ids_BT.shape[0], micro_batch_size):
-        logp, _ = completion_logprobs(
+        logp, ent = completion_logprobs(
             model, rollouts.input_ids_BT[s : s + micro_batch_size].to(device),
             rollouts.attention_mask_BT[s : s + micro_batch_size].to(device), rollouts.prompt_len, temperature,
-            share_prompt=share_prompt, top_p=top_p)
+            share_prompt=share_prompt, with_entropy=with_entropy, top_p=top_p)
         out.append(logp.cpu())
-    return torch.cat(out) * rollouts.completion_mask_BC
+        ents += [ent.float().cpu()] if with_entropy else []
+    mask_BC = rollouts.completion_mask_BC
+    return (torch.cat(out) * mask_BC, torch.cat(ents) * mask_BC) if with_entropy else torch.cat(out) * mask_BC
 
 
 # A separate sampler (vllm): its mismatch with the trainer, and truncated importance sampling (the trainers' --tis)
