@@ -350,6 +350,8 @@ def test_mada_stage_1_setting_is_the_band_then_the_judged_split_then_mixed_group
     assert choose_setting(cells) == "L2 T1"  # as mixed: the higher temperature
     assert choose_setting({k: {**c, "accuracy": 0.05} for k, c in cells.items()}) is None  # none in the band
     assert choose_setting({"L1 T1": cell(0.85, 1, 1.0, 0.3)}) is None  # above it: groups mostly all right
+    assert choose_setting(cells, levels=[1]) == "L1 T1"  # level 2's critic premise fails: only level 1 counts
+    assert choose_setting(cells, levels=[]) is None
 
 
 def test_mada_learning_rate_is_one_that_keeps_every_generator():
@@ -427,14 +429,23 @@ def test_mada_report_stops_where_the_stage_1_premise_fails():
                                 max_new_tokens=64, num_train_problems=360)
     cell = lambda lv, t, a: {"level": lv, "temperature": t, "accuracy": a, "mixed": 0.1, "cut": 0.0,  # noqa: E731
                              "held_out": 20 * lv, "problems": 40, "samples": 8, "seconds": 60.0}
+    critic = lambda lv, one: {f"L{lv}": 0.2, f"L{lv}, 1 of 3 proposals right": 0.2,  # noqa: E731
+                              f"L{lv}, 0 of 3 proposals right": 0.05, f"L{lv}, 1 of 3 responses right": one,
+                              f"L{lv}, 0 of 3 responses right": 0.0}
+    held = {1: critic(1, 0.4), 2: critic(2, 0.4)}  # 1 of 3 right lifts both levels by 0.40
     sampled = {"L1 T1": cell(1, 1.0, 0.1), "L2 T1": cell(2, 1.0, 0.05)}
-    text = report(cli, sampled, None, {}, None, {}, None, {}, [])
-    assert "## Verdict: untestable here: the Stage-1 premise fails: no level and temperature gives a sampled " \
-           "accuracy in [0.20, 0.80] (L1 T1 0.100, L2 T1 0.050)" in text
-    assert text.index("## The gate") < text.index("## The Stage-1 premise") < text.index("## Verdict")
+    text = report(cli, sampled, None, {}, None, {}, held, {}, [])
+    assert "## Verdict: untestable here: the Stage-1 premise fails: no level whose critic premise holds (level 1, " \
+           "level 2) gives a sampled accuracy in [0.20, 0.80] at any temperature tried (L1 T1 0.100, L2 T1 0.050)" \
+           in text
+    assert text.index("## The gate") < text.index("## The critic premise") < text.index("## The Stage-1 premise") \
+        < text.index("## Verdict")
+    text = report(cli, sampled, None, {}, None, {}, {1: critic(1, 0.05), 2: critic(2, 0.0)}, {}, [])
+    assert "## Verdict: premise fails (on no level do the critics use a right proposal): no arm ran." in text
+    assert "## The Stage-1 premise" not in text  # nothing sampled: the critics could not use what Stage 1 trains
     sampled["L1 T1"]["accuracy"] = 0.4
     probe = lambda *g: {"base": 0.55, "gens": list(g), "n": 20, "lens": [(20, 2)] * 3, "seconds": 600.0}  # noqa: E731
-    text = report(cli, sampled, "L1 T1", {1e-4: probe(0.1, 0.0, 0.0), 3e-4: probe(0.0, 0.0, 0.0)}, None, {}, None,
+    text = report(cli, sampled, "L1 T1", {1e-4: probe(0.1, 0.0, 0.0), 3e-4: probe(0.0, 0.0, 0.0)}, None, {}, held,
                   {}, [])
     assert "## Verdict: untestable here: the Stage-1 premise fails: no learning rate keeps the generators at or " \
            "above the base model after Stage 1 (0.0001: 0.100 / 0.000 / 0.000 against 0.550; 0.0003: " in text

@@ -8,15 +8,19 @@ run (issue 62) trained them at the CPU demo's LoRA rate 1e-3 at T = 1 with 0-9 %
 group was all wrong, its z-scored reward was the length term alone, and 5 of 6 generators collapsed to 1-3-token
 replies. So, measured first, in this order, each kept as a record (claim_runs.cached / finished_run):
 
-1. The Stage-1 premise: the base model's SAMPLED accuracy on the training level, on the first SAMPLED[0] distinct
-   training problems of seed 1 x SAMPLED[1] samples (<= 64 new tokens), for levels 1 and 2 at T = 1.0 and 0.7. It must
-   lie in BAND = [0.20, 0.80], so that groups are mixed. `choose_setting` picks, among the settings in the band, the one
-   with the most distinct held-out problems (the claim is judged on that level's held-out split: level 2 has 40, level
-   1 only 20 sums), then the most mixed groups (right and wrong samples in one group), then the higher temperature.
-   None in the band: "untestable here" (the premise fails), nothing more runs.
-2. The critic premise (issue 42) on the chosen level: the base model's greedy accuracy alone and as a critic reading 1
-   or 0 right of three proposals (benchmarks/premises/testbed_premises.py `proposal_cells`); it gates the arms as
-   before: 1 of 3 right responses must lift accuracy by >= 0.10 over none (the critics start from the base model).
+1. The critic premise (issue 42) on each candidate level: the base model's greedy accuracy alone and as a critic
+   reading 1 or 0 right of three proposals (benchmarks/premises/testbed_premises.py `proposal_cells`); a level counts
+   where 1 of 3 right responses lifts accuracy by >= 0.10 over none (the critics start from the base model). No level:
+   "premise fails", nothing more runs. (Added in the second session of issue 62, before any run at the new settings:
+   the first pass chose level 1, whose critic premise then failed, 0.250 against 0.000.)
+2. The Stage-1 premise on the levels of step 1: the base model's SAMPLED accuracy on the training level, on the first
+   SAMPLED[0] distinct training problems of seed 1 x SAMPLED[1] samples (<= 64 new tokens), at each T of TEMPERATURES
+   (0.5 and 0.3 were added with step 1: level 2 sat at 0.131 at T 0.7, below the band, and a lower temperature moves
+   a sample towards the greedy reply, 0.225). It must lie in BAND = [0.20, 0.80], so that groups are mixed.
+   `choose_setting` picks, among the settings in the band, the one with the most distinct held-out problems (the
+   claim is judged on that level's held-out split: level 2 has 40, level 1 only 20 sums), then the most mixed groups
+   (right and wrong samples in one group), then the higher temperature. None in the band: "untestable here" (the
+   premise fails), nothing more runs.
 3. A Stage-1 probe at each learning rate of LRS (1e-4, 3e-4: the demo's 1e-3 broke the generators) on seed 1: mada_rl.py
    with the arms' flags, --critic-steps 0 and --debate-rounds 1, i.e. the three generators trained for --agent-steps
    steps each with the paper's reward R = 2 R_acc + R_len (z-scored per group), their held-out greedy accuracy against
@@ -42,8 +46,8 @@ rule on the problems whose vote is wrong, and its break rate said beside the pla
 keep its generators makes the debate verdicts "premise fails"; a failed gate makes a verdict "untestable here".
 
 Time on this 2-core CPU (a SmolLM2 step of 4 prompts x 8 samples costs 40-50 s at about 41 tokens a reply, the last
-run's records; 64 new tokens at most): the sampled premise 4 x 320 replies, about 10 minutes; the critic cells 2-3
-minutes; each Stage-1 run (two probes at seed 1, one at seed 2) 30 steps (3 generators x 10) plus three greedy
+run's records; 64 new tokens at most): the critic cells 1-3 minutes a level; the sampled premise 320 replies a level and
+temperature, about 2.5 minutes each (8 cells if both levels keep the critic premise); each Stage-1 run (two probes at seed 1, one at seed 2) 30 steps (3 generators x 10) plus three greedy
 evaluations and Stage 2's draw, about 25-30 minutes; each arm 30 critic steps and two debates, about 25 minutes, 4 of
 them. In all about 3 h 15 min at level 2 (about 2 h 30 min at level 1, with shorter replies and fewer problems):
 NOT within the ~90-minute budget, over it by about 1 h 45 min (1 h at level 1). The premise and the probes (about 1 h)
@@ -71,14 +75,14 @@ import tyro
 
 import mada_rl
 from benchmarks import ROOT
-from benchmarks.claims.claim_runs import (HEADROOM, Claim, cached, finished_run, gate, gate_section, margin,
+from benchmarks.claims.claim_runs import (GROUND, HEADROOM, Claim, cached, finished_run, gate, gate_section, margin,
                                           untestable, verdict_lines)
 from benchmarks.premises.testbed_premises import nl_accuracy, proposal_cells, proposal_premises
 from common.data import encode_prompts, load_problems, render_prompt
 
 MODEL = "smollm2-135m-instruct"
 RECORDS = os.path.join(ROOT, "benchmarks", "claims", "runs", "mada_rl_smollm2")
-LEVELS, TEMPERATURES, LRS = (1, 2), (1.0, 0.7), (1e-4, 3e-4)
+LEVELS, TEMPERATURES, LRS = (1, 2), (1.0, 0.7, 0.5, 0.3), (1e-4, 3e-4)
 """the candidates: training (and judged) level, sampling temperature, LoRA learning rate"""
 BAND = (0.2, 0.8)
 """where the base model's sampled accuracy on the training level must lie, so that groups are mixed"""
@@ -97,24 +101,29 @@ def held_out(level: int, cli) -> int:
                for s in cli.seeds)
 
 
-def sampled_cells(cli) -> dict:
-    """The base model's sampled accuracy on the first cli.sampled_problems distinct training problems of the first
-    seed, cli.samples samples each, for every level and temperature, and the fraction of mixed groups."""
+def sampled_cells(cli, levels, have: dict) -> dict:
+    """`have` with the cells it lacks added: the base model's sampled accuracy on the first cli.sampled_problems
+    distinct training problems of the first seed, cli.samples samples each, for each of `levels` at each temperature,
+    and the fraction of mixed groups."""
     from common.models import load_model, load_tokenizer, mask_padded_head
     from common.rollout import HFEngine
     from common.verifiers import score
     from grounds import path_of
 
-    tok, model = load_tokenizer(path_of(MODEL)), load_model(path_of(MODEL)).eval()
-    mask_padded_head(model, len(tok))
-    engine, out = HFEngine(model, tok, max_batch=64), {}
-    for lv in LEVELS:
-        pool, problems = load_problems("testbed-nl", "train", (lv,), cli.num_train_problems, cli.seeds[0]), []
-        for p in pool:  # the first distinct questions of the pool the trainer splits among its agents
-            if p.question not in {q.question for q in problems} and len(problems) < cli.sampled_problems:
-                problems.append(p)
-        ids = encode_prompts(tok, [render_prompt(p, tok) for p in problems])
+    out, tok, engine = dict(have), None, None
+    for lv in levels:
         for temp in TEMPERATURES:
+            if f"L{lv} T{temp:g}" in out:
+                continue
+            if engine is None:
+                tok, model = load_tokenizer(path_of(MODEL)), load_model(path_of(MODEL)).eval()
+                mask_padded_head(model, len(tok))
+                engine = HFEngine(model, tok, max_batch=64)
+            pool, problems = load_problems("testbed-nl", "train", (lv,), cli.num_train_problems, cli.seeds[0]), []
+            for p in pool:  # the first distinct questions of the pool the trainer splits among its agents
+                if p.question not in {q.question for q in problems} and len(problems) < cli.sampled_problems:
+                    problems.append(p)
+            ids = encode_prompts(tok, [render_prompt(p, tok) for p in problems])
             t0 = time.time()
             torch.manual_seed(0)
             r = engine.generate(ids, n=cli.samples, temperature=temp, max_new_tokens=cli.max_new_tokens)
@@ -126,19 +135,44 @@ def sampled_cells(cli) -> dict:
                                        "cut": float(np.asarray(r.truncated_B, dtype=float).mean()),
                                        "problems": len(problems), "samples": cli.samples,
                                        "held_out": held_out(lv, cli), "seconds": time.time() - t0}
+            print(f"sampled premise L{lv} T{temp:g}: {out[f'L{lv} T{temp:g}']['accuracy']:.3f}", flush=True)
     return out
 
 
-def choose_setting(cells: dict) -> str | None:
-    """The key of the chosen level and temperature: in BAND, then the most distinct held-out problems (the judged
-    split), then the most mixed groups, then the higher temperature; None when no setting is in the band.
+def sampled_record(path: str, settings: dict, cli, levels, make: bool) -> dict:
+    """The sampled premise's record: its cells read back (when made with the same settings on this testbed-nl
+    version), the cells of `levels` it lacks measured and added (atomically), so a temperature added later measures
+    only itself. make=False: the recorded cells only."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        saved = saved if saved["settings"] == settings and saved.get("ground", 1) == GROUND else {}
+    except (OSError, ValueError, KeyError):
+        saved = {}
+    have = {k: v for k, v in saved.items() if k.startswith("L")}
+    if not make:
+        return have
+    cells_ = sampled_cells(cli, levels, have)
+    if cells_ != have:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({**cells_, "settings": settings, "ground": GROUND}, f, indent=1)
+        os.replace(path + ".tmp", path)
+    return cells_
 
-    >>> choose_setting({"L1 T1": dict(accuracy=0.5, held_out=20, mixed=0.9, temperature=1.0),
-    ...                 "L2 T1": dict(accuracy=0.1, held_out=40, mixed=0.3, temperature=1.0),
-    ...                 "L2 T0.7": dict(accuracy=0.25, held_out=40, mixed=0.5, temperature=0.7)})
+
+def choose_setting(cells: dict, levels=None) -> str | None:
+    """The key of the chosen level and temperature: in BAND and on one of `levels` (those whose critic premise holds;
+    None: any), then the most distinct held-out problems (the judged split), then the most mixed groups, then the
+    higher temperature; None when no such setting is in the band.
+
+    >>> choose_setting({"L1 T1": dict(accuracy=0.5, held_out=20, mixed=0.9, temperature=1.0, level=1),
+    ...                 "L2 T1": dict(accuracy=0.1, held_out=40, mixed=0.3, temperature=1.0, level=2),
+    ...                 "L2 T0.7": dict(accuracy=0.25, held_out=40, mixed=0.5, temperature=0.7, level=2)})
     'L2 T0.7'
     """
-    inside = [k for k, c in cells.items() if BAND[0] <= c["accuracy"] <= BAND[1]]
+    inside = [k for k, c in cells.items() if BAND[0] <= c["accuracy"] <= BAND[1]
+              and (levels is None or c["level"] in levels)]
     if not inside:
         return None
     return max(inside, key=lambda k: (cells[k]["held_out"], cells[k]["mixed"], cells[k]["temperature"]))
@@ -279,6 +313,21 @@ SHORT = 5
 """a generator whose sampled replies average fewer tokens than this at its last Stage-1 step writes no worked answer"""
 
 
+def critic_lines(base_cells: dict, cli) -> list[str]:
+    """The critic premise of each candidate level ({level: its cells, None when not measured})."""
+    lines = ["## The critic premise (issue 42), on each candidate level", "",
+             f"The base model's greedy accuracy on {cli.num_eval_problems} held-out problems of the level (seed 0, "
+             "benchmarks/premises/testbed_premises.py `proposal_cells`; level 1 has 20) alone and as a critic reading "
+             "three proposals (a right one: the worked solution; a wrong one: the same with a near miss); a level "
+             "counts where 1 of 3 right responses lifts it by >= 0.10 over none.", "",
+             "| level | premise | figures | |", "|---|---|---|---|"]
+    for lv, b in base_cells.items():
+        lines += ([f"| {lv} | {label} | {fig} | {'pass' if ok else '**fail**'} |"
+                   for label, fig, ok, _ in proposal_premises(b, lv)] if b is not None else
+                  [f"| {lv} | not measured | | |"])
+    return lines + ["", "The arms need the 'responses' line: the critics read the generators' worked replies."]
+
+
 def premise_lines(sampled: dict, choice: str | None, probes: dict, lr: float | None, stage1: dict, cli) -> list[str]:
     """The Stage-1 premise: the sampled accuracies and the chosen setting, each rate's probe and the chosen rate, and
     each seed's Stage 1 at that rate."""
@@ -289,14 +338,16 @@ def premise_lines(sampled: dict, choice: str | None, probes: dict, lr: float | N
              f"0); it must lie in [{BAND[0]:.2f}, {BAND[1]:.2f}] so that groups are mixed. 'mixed': groups with right "
              "and wrong samples; 'held out': distinct problems of the judged split.", "",
              "| level | T | sampled accuracy | mixed groups | cut | held out | in the band |", "|---|" + "---|" * 6]
-    for k, c in sampled.items():
+    for k, c in sorted(sampled.items(), key=lambda kv: (kv[1]["level"], -kv[1]["temperature"])):
         lines.append(f"| {c['level']} | {c['temperature']:g} | {c['accuracy']:.3f} | {c['mixed']:.2f} | "
                      f"{c['cut']:.2f} | {c['held_out']} | {'yes' if BAND[0] <= c['accuracy'] <= BAND[1] else 'no'} |")
     if choice is None:
-        return lines + ["", "No setting is in the band: the Stage-1 premise fails, and nothing more runs."]
+        return lines + ["", "No setting on a level whose critic premise holds is in the band: the Stage-1 premise "
+                        "fails, and nothing more runs."]
     c = sampled[choice]
     lines += ["", f"Chosen (`choose_setting`): level {c['level']} at T = {c['temperature']:g}: sampled accuracy "
-              f"{c['accuracy']:.3f}, in the band; of the settings in the band it has the most distinct held-out "
+              f"{c['accuracy']:.3f}, in the band, on a level whose critic premise holds; of those settings it has the "
+              "most distinct held-out "
               f"problems ({c['held_out']}), then the most mixed groups ({c['mixed']:.2f}), then the higher "
               "temperature.", "",
               f"The Stage-1 probe (seed {cli.seeds[0]}): the three generators after {cli.agent_steps} steps each at "
@@ -441,10 +492,21 @@ def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cell
         gates = None
         lines += ["## The gate (benchmarks/claims/claim_runs.py, before any arm trains)", "",
                   "Not yet: it needs every seed's Stage 1 (the base model's start and acc_G come from those runs).", ""]
-    lines += premise_lines(sampled, choice, probes, lr, stage1, cli)
+    lines += critic_lines(base_cells, cli)
+    ok = [lv for lv, b in base_cells.items() if b is not None and critic_holds(b, lv)]
+    if base_cells and all(b is not None for b in base_cells.values()) and not ok:
+        return "\n".join(lines + ["", "## Verdict: premise fails (on no level do the critics use a right proposal): "
+                                  "no arm ran."]) + "\n"
+    missing = [lv for lv, b in base_cells.items() if b is None]
+    if missing:
+        return "\n".join(lines + ["", f"Incomplete: the critic cells of level {', '.join(map(str, missing))} are "
+                                  "not recorded; rerun the command (without --report-only)."]) + "\n"
+    lines += [""] + premise_lines(sampled, choice, probes, lr, stage1, cli)
     if choice is None or lr is None:
-        why = (f"no level and temperature gives a sampled accuracy in [{BAND[0]:.2f}, {BAND[1]:.2f}] ("
-               + ", ".join(f"{k} {c['accuracy']:.3f}" for k, c in sampled.items()) + ")" if choice is None else
+        why = (f"no level whose critic premise holds ({', '.join(f'level {lv}' for lv in ok)}) gives a sampled "
+               f"accuracy in [{BAND[0]:.2f}, {BAND[1]:.2f}] at any temperature tried ("
+               + ", ".join(f"{k} {c['accuracy']:.3f}" for k, c in sampled.items() if c["level"] in ok) + ")"
+               if choice is None else
                "no learning rate keeps the generators at or above the base model after Stage 1 (" + "; ".join(
                    f"{r:g}: " + " / ".join(f"{a:.3f}" for a in fig["gens"]) + f" against {fig['base']:.3f}"
                    for r, fig in probes.items()) + ")")
@@ -453,18 +515,6 @@ def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cell
                       "No arm ran: a debate of broken generators, or of generators whose groups hold no signal, could "
                       "count neither for nor against the paper."]
         return "\n".join(lines) + "\n"
-    if base_cells is not None:
-        lines += ["", f"## The critic premise on level {level} (issue 42)", "",
-                  f"The base model's greedy accuracy on {cli.num_eval_problems} held-out level-{level} problems (seed "
-                  "0, benchmarks/premises/testbed_premises.py `proposal_cells`) alone and as a critic reading three "
-                  "proposals (a right one: the worked solution; a wrong one: the same with a near miss); the arms run "
-                  "where 1 of 3 right responses lifts it by >= 0.10.", "",
-                  "| premise | figures | |", "|---|---|---|"]
-        lines += [f"| {label} | {fig} | {'pass' if ok else '**fail**'} |"
-                  for label, fig, ok, _ in proposal_premises(base_cells, level)]
-        if not critic_holds(base_cells, level):
-            return "\n".join(lines + ["", "## Verdict: premise fails (the critics do not use a right proposal): no "
-                                      "arm ran."]) + "\n"
     if gates is None:
         return "\n".join(lines + ["", "Incomplete: the Stage-1 runs of seeds " + ", ".join(
             str(s) for s in cli.seeds if s not in stage1) + " are missing; rerun the command."]) + "\n"
@@ -493,9 +543,19 @@ def main():
     make = not cli.report_only
     settings = {k: getattr(cli, k) for k in ("sampled_problems", "samples", "max_new_tokens", "num_train_problems",
                                               "num_eval_problems", "seeds")}
-    sampled = cached(os.path.join(cli.records, "stage1_sampled.json"), settings, lambda: sampled_cells(cli), make)
-    sampled = {k: v for k, v in sampled.items() if k.startswith("L")}
-    choice, records, probes, stage1, runs, lr, base_cells = choose_setting(sampled), {}, {}, {}, {}, None, None
+    base_cells = {}
+    for lv in LEVELS:  # 1. the critic premise of each candidate level
+        try:
+            base_cells[lv] = cached(os.path.join(cli.records, f"cells_base_L{lv}.json"),
+                                    {"n": cli.num_eval_problems, "level": lv},
+                                    lambda: cells(lv, cli.num_eval_problems), make)
+        except SystemExit:
+            if make:
+                raise
+            base_cells[lv] = None
+    ok = [lv for lv, b in base_cells.items() if b is not None and critic_holds(b, lv)]
+    sampled = sampled_record(os.path.join(cli.records, "stage1_sampled.json"), settings, cli, ok, make)  # 2.
+    choice, records, probes, stage1, runs, lr = choose_setting(sampled, ok), {}, {}, {}, {}, None
 
     def record(args, weights=False):  # a run's record; None in a report when it is not recorded
         try:
@@ -516,13 +576,6 @@ def main():
 
     if choice is not None:
         level, temp = sampled[choice]["level"], sampled[choice]["temperature"]
-        try:
-            base_cells = cached(os.path.join(cli.records, f"cells_base_L{level}.json"),
-                                {"n": cli.num_eval_problems, "level": level},
-                                lambda: cells(level, cli.num_eval_problems), make)
-        except SystemExit:
-            if make:
-                raise
         for rate in LRS:
             rec = record(run_args(cli, level, temp, rate, cli.seeds[0]))
             if rec is not None:
@@ -536,7 +589,7 @@ def main():
             if rec is not None:
                 stage1[seed] = stage1_figures(rec)
             write()
-        ready = lr is not None and base_cells is not None and critic_holds(base_cells, level)
+        ready = lr is not None
         for seed in cli.seeds if ready and not cli.premise_only else []:
             if seed not in stage1:
                 continue
