@@ -23,6 +23,7 @@ import math
 import multiprocessing as mp
 import re
 import signal
+import sys
 import threading
 
 from common.reasoning_gym import rg_score
@@ -185,6 +186,12 @@ def _start_worker(modules: tuple) -> None:
             pass
 
 
+UNGUARDED = ("a script that scores answers (common.verifiers.score) must keep its top-level code under "
+             "`if __name__ == \"__main__\":`, because the worker processes that run the answers start by importing "
+             "the script (Python's multiprocessing); without it they run the script again and wait on workers of "
+             "their own")
+
+
 class _Pool:
     """A lazily created process pool that can be killed and rebuilt after a timeout; its workers import `modules`."""
 
@@ -193,6 +200,11 @@ class _Pool:
 
     def get(self, modules: tuple = ()) -> cf.ProcessPoolExecutor:
         """The pool, whose workers have imported `modules` (one that has not is replaced, its queued answers kept)."""
+        frame = sys._getframe()
+        while frame is not None:  # the script's top level, run again by a starting worker (its name: __mp_main__)
+            if frame.f_globals.get("__name__") == "__mp_main__":
+                raise RuntimeError(UNGUARDED)
+            frame = frame.f_back
         with self.lock:
             if self.pool is not None and not set(modules) <= set(self.modules):
                 self.pool.shutdown(wait=False)
@@ -204,6 +216,10 @@ class _Pool:
                                                    initializer=_start_worker, initargs=(self.modules,))
                 try:  # wait for a worker to be up: starting one is not an answer's time
                     self.pool.submit(int).result(timeout=300)
+                except cf.process.BrokenProcessPool as e:  # no worker can start: every answer would score 0
+                    self.pool = None
+                    raise RuntimeError("the verifier's worker processes could not start (the error above); the usual "
+                                       f"cause: {UNGUARDED}") from e
                 except Exception:  # noqa: BLE001 - a pool that cannot start fails each answer (score 0) instead
                     pass
             return self.pool

@@ -125,3 +125,23 @@ def test_verifier_workers_ignore_ctrl_c():
     for pid in pids:
         ignored = int(next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("SigIgn:")).split()[1], 16)
         assert ignored & (1 << (2 - 1)), pid  # bit SIGINT - 1 of the ignored-signal mask
+
+
+def test_a_script_that_scores_at_top_level_gets_one_clear_error_not_a_hang(tmp_path):
+    """The verifier's workers start by importing the main script (multiprocessing's forkserver); a script with no
+    `if __name__ == "__main__":` guard would score again inside them and wait forever on workers of its own."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {root!r})\nfrom common.verifiers import math_rewards\n"
+                      "print(math_rewards(['\\\\boxed{1/2}'], ['0.5']))\n")  # a symbolic check: it needs the pool
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'must keep its top-level code under `if __name__ == "__main__":`' in done.stderr.splitlines()[-1]
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(script.read_text().replace("print(", "if __name__ == '__main__':\n    print("))
+    done = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[1.0]", done.stderr
