@@ -8,10 +8,9 @@ number after the last "answer is", else the last number of the reply; for reason
 Every reward function returns a float and never raises on model output: garbage, empty strings and pathological
 expressions score 0. A reasoning-gym score is the task's own, in [0, 1]: some tasks give partial credit.
 
-math-verify's own timeouts use `signal.alarm`, which only works on the main thread, and SymPy can hang for minutes on
-inputs like `9^{9^{9^{9}}}`; reasoning-gym's scorers parse model output too (some with SymPy, some with `eval`). So
-both checks run in a small pool of worker processes with a wall-clock limit per answer; a worker that overruns is
-killed, its answer scores 0, and the pool is rebuilt. This is thread-safe.
+math-verify's timeouts use `signal.alarm` (main thread only), SymPy can hang for minutes on `9^{9^{9^{9}}}`, and
+reasoning-gym's scorers parse model output too (some with `eval`): so both run in a small pool of worker processes,
+each answer under a wall-clock limit; an overrun kills its worker (score 0) and the pool is rebuilt. Thread-safe.
 """
 
 from __future__ import annotations
@@ -115,8 +114,7 @@ def extract_rg_answer(text: str) -> str | None:
     `<answer>...</answer>` (or all after a last `<answer>` never closed); else the last `\\boxed{}`; else what
     follows the last "answer ... is" (or "answer:", "answer ="), to the end of its sentence, after its last "=" if it
     has one (quotes, bold and '$' dropped; a number that starts it, not an expression: the number alone); else the
-    last number of the reply; thousands separators dropped from a number. A small chat model asked for the tags
-    writes "The final answer to the problem is 6." (benchmarks/premises/rg_zero_shot_smollm2.md).
+    last number of the reply; thousands separators dropped from a number.
 
     >>> extract_rg_answer("so <answer> 6 </answer>"), extract_rg_answer("The final answer to the sum is **1,617**.")
     ('6', '1617')
@@ -176,8 +174,8 @@ def _symbolic_equal(pred: str, gold: str) -> bool:
 
 
 def _start_worker(modules: tuple) -> None:
-    """A verifier worker ignores the terminal's Ctrl-C (the trainer stops it at exit) and imports its scorers before
-    its first answer, so that importing them is not counted against an answer's time limit."""
+    """A verifier worker ignores Ctrl-C (the trainer stops it at exit) and imports its scorers before its first
+    answer, whose time limit is not the import's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in modules:
         try:
@@ -186,10 +184,7 @@ def _start_worker(modules: tuple) -> None:
             pass
 
 
-UNGUARDED = ("a script that scores answers (common.verifiers.score) must keep its top-level code under "
-             "`if __name__ == \"__main__\":`, because the worker processes that run the answers start by importing "
-             "the script (Python's multiprocessing); without it they run the script again and wait on workers of "
-             "their own")
+UNGUARDED = "a script that scores answers needs its top-level code under `if __name__ == \"__main__\":` (workers import it)"
 
 
 class _Pool:
@@ -201,7 +196,7 @@ class _Pool:
     def get(self, modules: tuple = ()) -> cf.ProcessPoolExecutor:
         """The pool, whose workers have imported `modules` (one that has not is replaced, its queued answers kept)."""
         frame = sys._getframe()
-        while frame is not None:  # the script's top level, run again by a starting worker (its name: __mp_main__)
+        while frame:  # a starting worker re-runs an unguarded script (hangs)
             if frame.f_globals.get("__name__") == "__mp_main__":
                 raise RuntimeError(UNGUARDED)
             frame = frame.f_back
@@ -218,9 +213,8 @@ class _Pool:
                     self.pool.submit(int).result(timeout=300)
                 except cf.process.BrokenProcessPool as e:  # no worker can start: every answer would score 0
                     self.pool = None
-                    raise RuntimeError("the verifier's worker processes could not start (the error above); the usual "
-                                       f"cause: {UNGUARDED}") from e
-                except Exception:  # noqa: BLE001 - a pool that cannot start fails each answer (score 0) instead
+                    raise RuntimeError(f"no verifier worker could start (the error above); {UNGUARDED}") from e
+                except Exception:  # noqa: BLE001 - a slow start: answers may time out
                     pass
             return self.pool
 
@@ -234,8 +228,7 @@ class _Pool:
             self.pool = None
 
     def close(self) -> None:
-        """Shut the pool down at exit, while the interpreter is whole (a pool collected during module
-        teardown prints an ignored AttributeError from its manager thread's callback)."""
+        """Shut the pool down at exit, before module teardown (which prints an ignored AttributeError)."""
         with self.lock:
             pool, self.pool = self.pool, None
         if pool is not None:

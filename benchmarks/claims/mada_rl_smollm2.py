@@ -38,6 +38,13 @@ replies. So, measured first, in this order, each kept as a record (claim_runs.ca
    plain ones (--no-counterfactual), which read the very Stage-2 proposals of that run's stage2.jsonl (mada_rl.py reads
    the file; tests/test_mada_rl.py shows it). --agent-steps critic steps each, the chosen T and rate.
 
+The start (--start): every agent is the base model (`base`, the paper's setting: its agents start from one instruct
+model), or the post-GRPO model of the other SmolLM2 claims (`grpo`, STARTS), trained first where the checkout lacks it.
+On the base model the premise fails (issue 62's second session: level 1's critic premise fails, level 2's sampled
+accuracy is 0.025 / 0.131 / 0.153 / 0.172 at T 1 / 0.7 / 0.5 / 0.3, below the band), so the same rules, unchanged, run
+again from the post-GRPO start, with its own records (prefixed grpo-start_) and report
+(mada_rl_smollm2_grpo_start.md). Said before any run from that start; the base model's report stays as it is.
+
 The rules, written before the runs: (debate) the counterfactual arm's debate above the generators' vote beyond the
 noise on both seeds: shown; above on both inside the noise, or beyond on one: partly; else not shown; the same against
 the best single generator (the best of three on the judged problems: a generous baseline); (critic) the counterfactual
@@ -56,6 +63,7 @@ come first and decide whether the arms (about 2 h with seed 2's Stage 1) run at 
     python -m benchmarks.claims.mada_rl_smollm2 --premise-only   # the sampled premise, critic cells, probes (~1 h)
     python -m benchmarks.claims.mada_rl_smollm2                  # then seed 2's Stage 1 and the arms (~2 h)
     python -m benchmarks.claims.mada_rl_smollm2 --report-only    # the report from the records
+    python -m benchmarks.claims.mada_rl_smollm2 --start grpo --premise-only   # from the post-GRPO start (+16 min)
     python -m benchmarks.claims.mada_rl_smollm2 --sampled-problems 4 --samples 2 --num-eval-problems 8 \\
         --agent-steps 1 --seeds 1 --num-prompts 2 --group-size 2 --max-new-tokens 32 --num-train-problems 36 \\
         --out /tmp/m.md --arms-dir /tmp/m_runs --records /tmp/m_records   # a smoke run
@@ -88,10 +96,32 @@ BAND = (0.2, 0.8)
 """where the base model's sampled accuracy on the training level must lie, so that groups are mixed"""
 SAMPLED = (40, 8)
 """the sampled premise: distinct training problems x samples each"""
-ARM_FLAGS = ["--model-name", MODEL, "--dataset", "testbed-nl", "--num-generators", "3", "--num-critics", "3",
+ARM_FLAGS = ["--dataset", "testbed-nl", "--num-generators", "3", "--num-critics", "3",
              "--micro-batch-size", "16", "--share-prompt", "--eval-every", "0", "--log-samples", "4"]
-"""mada_rl.py's flags in every run (LoRA r 8 on every projection: its default); the level, temperature, rate, batch,
-tokens and problems are added from the choices and the command line"""
+"""mada_rl.py's flags in every run (LoRA r 8 on every projection: its default); the start (--model-name), level,
+temperature, rate, batch, tokens and problems are added from the choices and the command line"""
+STARTS = ("base", "grpo")
+"""every agent's start (--start): the base model, or the post-GRPO model of the other SmolLM2 claims
+(benchmarks/claims/grpo_smollm2.start_args: 30 steps on levels 1-2 at 48 new tokens, seed 1; level 2 greedy 0.525
+there), on which level 2 may be inside the Stage-1 band where the base model's is not (0.172 at best)"""
+
+
+def start_model(start: str, records: str, make: bool) -> str:
+    """--model-name of every run under `start`; the post-GRPO model is trained where this checkout lacks it (about
+    16 minutes on one thread, recorded as grpo_seed1.json in `records`)."""
+    if start == "base":
+        return MODEL
+    import grpo
+    from benchmarks.claims.grpo_smollm2 import START, start_args
+
+    if make:
+        finished_run(grpo, start_args(), records, weights=True)
+    return os.path.join(START, "grpo_seed1", "checkpoint")
+
+
+def tagged(start: str, name: str) -> str:
+    """A record's or run's name under --start: the base model's keep their names, the others are prefixed."""
+    return name if start == "base" else f"{start}-start_{name}"
 
 
 # --- 1. the Stage-1 premise: sampled accuracy on the training level, and the choice of level and temperature ----------
@@ -116,7 +146,7 @@ def sampled_cells(cli, levels, have: dict) -> dict:
             if f"L{lv} T{temp:g}" in out:
                 continue
             if engine is None:
-                tok, model = load_tokenizer(path_of(MODEL)), load_model(path_of(MODEL)).eval()
+                tok, model = load_tokenizer(path_of(cli.model)), load_model(path_of(cli.model)).eval()
                 mask_padded_head(model, len(tok))
                 engine = HFEngine(model, tok, max_batch=64)
             pool, problems = load_problems("testbed-nl", "train", (lv,), cli.num_train_problems, cli.seeds[0]), []
@@ -182,8 +212,9 @@ def choose_setting(cells: dict, levels=None) -> str | None:
 def run_args(cli, level: int, temp: float, lr: float, seed: int, arm: str = "stage1") -> mada_rl.Args:
     """The run of one Stage 1 ('stage1': generators only, then Stage 2's draw; no critic steps, no critic round) or of
     one arm ('counterfactual', 'plain') on that seed's Stage-1 run."""
-    stage1 = f"stage1_L{level}_T{temp:g}_lr{lr:g}_seed{seed}"
-    flags = [*ARM_FLAGS, "--levels", str(level), "--temperature", str(temp), "--proposal-temperature", str(temp),
+    stage1 = tagged(cli.start, f"stage1_L{level}_T{temp:g}_lr{lr:g}_seed{seed}")
+    flags = [*ARM_FLAGS, "--model-name", cli.model, "--levels", str(level), "--temperature", str(temp),
+             "--proposal-temperature", str(temp),
              "--learning-rate", str(lr), "--num-prompts", str(cli.num_prompts), "--group-size", str(cli.group_size),
              "--max-new-tokens", str(cli.max_new_tokens), "--num-train-problems", str(cli.num_train_problems),
              "--num-eval-problems", str(cli.num_eval_problems), "--generator-steps", str(cli.agent_steps),
@@ -192,7 +223,8 @@ def run_args(cli, level: int, temp: float, lr: float, seed: int, arm: str = "sta
         flags += ["--critic-steps", "0", "--debate-rounds", "1", "--run-name", stage1]
     else:
         flags += ["--critic-steps", str(cli.agent_steps), "--generators-from", os.path.join(cli.arms_dir, stage1),
-                  "--run-name", f"{arm}_seed{seed}", *(["--no-counterfactual"] if arm == "plain" else [])]
+                  "--run-name", tagged(cli.start, f"{arm}_seed{seed}"),
+                  *(["--no-counterfactual"] if arm == "plain" else [])]
     args = tyro.cli(mada_rl.Args, args=flags)
     # filled in by main(); claim_runs compares it and finds the last evaluation by it
     args.total_steps = 3 * cli.agent_steps * (1 if arm == "stage1" else 2)
@@ -291,14 +323,14 @@ def gates_of(cli, level: int, stage1: dict) -> dict:
 
 
 # --- 2. the critic premise (issue 42) on the chosen level -----------------------------------------------------------
-def cells(level: int, n: int) -> dict:
-    """The base model's greedy accuracy on n held-out problems of `level` alone and with three proposals (answers or
+def cells(level: int, n: int, model_name: str = MODEL) -> dict:
+    """The start model's greedy accuracy on n held-out problems of `level` alone and with three proposals (answers or
     responses, 1 or 0 of them right), up to 64 new tokens (seed 0: testbed_premises' problems)."""
     from common.models import load_model, load_tokenizer
     from grounds import path_of
 
     t0 = time.time()
-    tok, model = load_tokenizer(path_of(MODEL)), load_model(path_of(MODEL)).eval()
+    tok, model = load_tokenizer(path_of(model_name)), load_model(path_of(model_name)).eval()
     problems = load_problems("testbed-nl", "test", (level,), n, 0)
     m = {f"L{level}": nl_accuracy(model, tok, problems, [render_prompt(p, tok) for p in problems])}
     return {**m, **proposal_cells(model, tok, problems, level), "seconds": time.time() - t0}
@@ -473,11 +505,13 @@ def arm_lines(runs: dict, stage1: dict, cli, gates: dict) -> list[str]:
 def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cells: dict | None, runs: dict,
            records: list) -> str:
     minutes = sum(r["seconds"] for r in records) / 60 + sum(c["seconds"] for c in sampled.values()) / 60
-    lines = ["# MADA-RL on SmolLM2-135M-Instruct (issues 42, 62): Stage 1 first", "",
-             f"`python -m benchmarks.claims.mada_rl_smollm2 --num-eval-problems {cli.num_eval_problems} --agent-steps "
+    start = getattr(cli, "start", "base")
+    lines = ["# MADA-RL on SmolLM2-135M-Instruct (issues 42, 62): Stage 1 first"
+             + ("" if start == "base" else ", every agent starting from the post-GRPO model"), "",
+             f"`python -m benchmarks.claims.mada_rl_smollm2 --start {start} --num-eval-problems {cli.num_eval_problems} --agent-steps "
              f"{cli.agent_steps} --seeds {' '.join(map(str, cli.seeds))}`, {time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s), {minutes:.0f} minutes of runs "
-             f"recorded. Runs: `python mada_rl.py {' '.join(ARM_FLAGS)} --levels L --temperature T "
+             f"recorded. Runs: `python mada_rl.py --model-name {getattr(cli, 'model', MODEL)} {' '.join(ARM_FLAGS)} --levels L --temperature T "
              f"--proposal-temperature T --learning-rate LR --num-prompts {cli.num_prompts} --group-size "
              f"{cli.group_size} --max-new-tokens {cli.max_new_tokens} --num-train-problems {cli.num_train_problems} "
              f"--num-eval-problems {cli.num_eval_problems} --generator-steps {cli.agent_steps} --seed S` with "
@@ -533,7 +567,10 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=64, help="a level-2 worked solution is 49-55 tokens")
     p.add_argument("--num-train-problems", type=int, default=360, help="before the six-way split (level 1: 61 "
                    "distinct)")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "claims", "mada_rl_smollm2.md"))
+    p.add_argument("--start", choices=STARTS, default="base", help="every agent's start: the base model or the "
+                   "post-GRPO model (STARTS)")
+    p.add_argument("--out", default=None, help="the report (default: benchmarks/claims/mada_rl_smollm2.md, "
+                   "or mada_rl_smollm2_grpo_start.md under --start grpo)")
     p.add_argument("--records", default=RECORDS, help="finished runs' records (committed by default)")
     p.add_argument("--arms-dir", default=os.path.join("runs", "mada_smollm2"), help="the runs' folders")
     p.add_argument("--premise-only", action="store_true", help="the sampled premise, critic cells and probes only")
@@ -541,20 +578,27 @@ def main():
     cli = p.parse_args()
     os.chdir(ROOT)  # --generators-from is relative: records made in one clone are read in another
     make = not cli.report_only
+    cli.out = cli.out or os.path.join(ROOT, "benchmarks", "claims", "mada_rl_smollm2"
+                                      + ("" if cli.start == "base" else f"_{cli.start}_start") + ".md")
+    cli.model = start_model(cli.start, cli.records, make)
     settings = {k: getattr(cli, k) for k in ("sampled_problems", "samples", "max_new_tokens", "num_train_problems",
                                               "num_eval_problems", "seeds")}
+    settings.update({} if cli.start == "base" else {"model": cli.model})
     base_cells = {}
     for lv in LEVELS:  # 1. the critic premise of each candidate level
         try:
-            base_cells[lv] = cached(os.path.join(cli.records, f"cells_base_L{lv}.json"),
-                                    {"n": cli.num_eval_problems, "level": lv},
-                                    lambda: cells(lv, cli.num_eval_problems), make)
+            name = f"cells_base_L{lv}.json" if cli.start == "base" else tagged(cli.start, f"cells_L{lv}.json")
+            base_cells[lv] = cached(os.path.join(cli.records, name),
+                                    {"n": cli.num_eval_problems, "level": lv,
+                                     **({} if cli.start == "base" else {"model": cli.model})},
+                                    lambda: cells(lv, cli.num_eval_problems, cli.model), make)
         except SystemExit:
             if make:
                 raise
             base_cells[lv] = None
     ok = [lv for lv, b in base_cells.items() if b is not None and critic_holds(b, lv)]
-    sampled = sampled_record(os.path.join(cli.records, "stage1_sampled.json"), settings, cli, ok, make)  # 2.
+    sampled = sampled_record(os.path.join(cli.records, tagged(cli.start, "stage1_sampled.json")), settings, cli, ok,
+                             make)  # 2.
     choice, records, probes, stage1, runs, lr = choose_setting(sampled, ok), {}, {}, {}, {}, None
 
     def record(args, weights=False):  # a run's record; None in a report when it is not recorded
