@@ -52,7 +52,7 @@ Metrics beyond grpo.py's (same names where the meaning is the same):
     delta_opd/sampled_logratio         mean teacher log-ratio on the sampled tokens (teacher vs student for vanilla_opd)
     delta_opd/topk_mass                mean student probability mass inside the top-K support
     kl/coef                            the KL coefficient beta used at this step (already moved by this step's batch)
-    eval/teacher_{pre,post}_greedy_accuracy   held-out greedy accuracy of each teacher (step 0)
+    eval/teacher_{pre,post}_greedy_accuracy   held-out greedy accuracy of each teacher (step 0; --eval-teachers)
 
     python direct_opd.py                    # CPU demo: builds the weak pair once (~2 min), then 200 steps (~3.5 min)
     python direct_opd.py --reward vanilla_opd
@@ -86,6 +86,9 @@ class Args(TrainArgs):  # common/args.py: run folder, resume, logging, device, s
     """samples per problem for sampled accuracy and pass@k (0: greedy only)"""
     eval_pass_k: int = 4
     """k of the logged eval/pass_at_k"""
+    eval_teachers: bool = True
+    """greedy held-out accuracy of both teachers at step 0, where the pair stands (two more evaluations; a benchmark
+    that measured the pair once passes --no-eval-teachers)"""
     model_name: str = "testbed-strong"
     """the student: 'testbed-weak', 'testbed-strong' (built locally and cached), a Hugging Face id, or a local folder"""
 
@@ -412,7 +415,7 @@ def main(args: Args) -> dict:
     first_eval = state.get("first_eval")
     if first_eval is None:
         first_eval = run_eval()
-        for name, teacher in (("pre", pre_model), ("post", post_model)):  # greedy only: where the pair stands
+        for name, teacher in (("pre", pre_model), ("post", post_model)) if args.eval_teachers else ():  # greedy
             acc = evaluate.evaluate(rollout.HFEngine(teacher, tokenizer), tokenizer, eval_problems, args.max_new_tokens,
                                     max_prompt_tokens=args.max_prompt_tokens)["eval/greedy_accuracy"]
             first_eval[f"eval/teacher_{name}_greedy_accuracy"] = acc
@@ -530,7 +533,7 @@ def main(args: Args) -> dict:
             ctrl_c.exit_saved(bar)  # "stopped after step N (checkpoint saved); continue with: ...", status 130
 
     ctrl_c.step = None  # the final evaluation: a Ctrl-C quits at once
-    if rank == 0:
+    if rank == 0 and args.eval_teachers:
         print(f"teacher pair held-out greedy accuracy: pre {first_eval['eval/teacher_pre_greedy_accuracy']:.3f}, "
               f"post {first_eval['eval/teacher_post_greedy_accuracy']:.3f} ({args.reward} reward, no verifier in the "
               "loss)")

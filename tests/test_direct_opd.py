@@ -162,8 +162,10 @@ def test_a_real_teacher_shift_moves_every_parameter(tmp_path, tiny_model_dir, sh
 def test_ablation_rewards_run(tmp_path, tiny_model_dir, shifted_model_dir, reward):
     out = direct_opd.main(_args(tmp_path, "--model-name", tiny_model_dir, "--teacher-pre", tiny_model_dir,
                                 "--teacher-post", shifted_model_dir, "--total-steps", "1", "--reward", reward,
-                                "--run-name", reward))
+                                "--run-name", reward, *(["--no-eval-teachers"] if reward == "vanilla_opd" else [])))
     last = out["last"]
+    # the teachers' step-0 evaluation is on by default, and --no-eval-teachers skips it (a benchmark measures it once)
+    assert ("eval/teacher_post_greedy_accuracy" in out["before"]) == (reward != "vanilla_opd")
     assert math.isfinite(last["loss/policy"]) and last["adv/mean_abs"] > 0
     # beta of step 1 is already moved by step 1's batch (vanilla OPD's teacher-minus-student mean is negative)
     assert last["kl/coef"] == direct_opd.update_kl_coef(2.5, last["delta_opd/weighted_reward_mean"], 0.01, 0.5, 2.5)

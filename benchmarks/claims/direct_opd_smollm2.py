@@ -61,15 +61,15 @@ untestable); else not shown. GRPO with the verifier falling beyond the noise on 
 it (vanilla falling on the hold group where direct does not is the paper's contrast).
 
 Time (one thread beside another benchmark; the records: a SmolLM2 direct-OPD step 60-100 s at 20-40 reply tokens, a
-GRPO step 40-60 s; a greedy evaluation about 0.5 s a problem, and direct_opd.py evaluates the student and both
-teachers at step 0, the student again at the end):
+GRPO step 40-60 s; a greedy evaluation about 0.5 s a problem; every run evaluates the student at step 0 and at the
+end, and the arms pass --no-eval-teachers, so direct_opd.py does not evaluate the pair again each run):
 - the cut shares: 128 replies up to 192 tokens, about 5 minutes;
 - the post teacher: 30 GRPO steps at the cap (longer early replies than at 48: about 60-80 s a step) and two
   evaluations of 80 problems, about 35 minutes;
 - the students: 30 supervised steps and the cells of five models (120 problems each), about 15 minutes;
 - the probe: per rate 30 GRPO steps and two evaluations (at 150 problems a level, 450 problems: about 4 minutes
   each), 30-40 minutes; one or two rates;
-- the arms: direct / vanilla / control 30 steps and four evaluations, 45-65 minutes each, x 2 seeds; GRPO seed 2,
+- the arms: direct / vanilla / control 30 steps and two evaluations, 37-57 minutes each, x 2 seeds; GRPO seed 2,
   30-40 minutes.
 In all about 6.5-8.5 hours against the ~90 minutes of ../shared/CLAIMS.md: over by 5-7 hours. The smallest design
 that keeps the power (the power is in the evaluated problems, which the gate sizes, not in the steps or the arms):
@@ -400,7 +400,8 @@ def verdict(acc: dict, seeds, sizes: dict, hold_failed: list = ()) -> tuple[str,
 def arm_args(cli, arm: str, seed: int, lr: float, student: str, post: str, cap: int, n: int):
     """One arm's trainer arguments; its run name carries the rate (records at several rates stay side by side)."""
     module, flags = ARMS[arm]
-    pair = [] if module is grpo else ["--teacher-pre", MODEL, "--teacher-post", MODEL if arm == "control" else post]
+    pair = [] if module is grpo else ["--teacher-pre", MODEL, "--teacher-post", MODEL if arm == "control" else post,
+                                      "--no-eval-teachers"]  # the pair's cells are measured once (`level_cells`)
     recipe = ["--dataset", "testbed-nl", "--levels", *map(str, LEVELS), "--num-prompts", "4", "--group-size", "8",
               "--max-new-tokens", str(cap), "--micro-batch-size", "16", "--share-prompt", "--learning-rate", f"{lr:g}",
               "--eval-samples", "0", "--log-samples", "4", "--eval-every", "0", "--save-every", "10"]
