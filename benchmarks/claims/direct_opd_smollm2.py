@@ -71,7 +71,7 @@ end, and the arms pass --no-eval-teachers, so direct_opd.py does not evaluate th
   each), 30-40 minutes; one or two rates;
 - the arms: direct / vanilla / control 30 steps and two evaluations, 37-57 minutes each, x 2 seeds; GRPO seed 2,
   30-40 minutes.
-In all about 6.5-8.5 hours against the ~90 minutes of ../shared/CLAIMS.md: over by 5-7 hours. The smallest design
+In all about 5.5-7.5 hours against the ~90 minutes of ../shared/CLAIMS.md: over by 4-6 hours. The smallest design
 that keeps the power (the power is in the evaluated problems, which the gate sizes, not in the steps or the arms):
 (a) the control on seed 1 only (`--arms direct vanilla_opd grpo_student` for seed 2; it is an identity: post = pre
 makes the shift exactly 0 and the KL's gradient 0 at the start, so the student never moves; the last design's two
