@@ -184,7 +184,7 @@ def _start_worker(modules: tuple) -> None:
             pass
 
 
-UNGUARDED = "a script that scores answers needs its top-level code under `if __name__ == \"__main__\":` (workers import it)"
+UNGUARDED = "a script that scores answers needs its top-level code under `if __name__ == '__main__':`"
 
 
 class _Pool:

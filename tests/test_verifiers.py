@@ -140,7 +140,7 @@ def test_a_script_that_scores_at_top_level_gets_one_clear_error_not_a_hang(tmp_p
                       "print(math_rewards(['\\\\boxed{1/2}'], ['0.5']))\n")  # a symbolic check: it needs the pool
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert 'needs its top-level code under `if __name__ == "__main__":`' in done.stderr.splitlines()[-1]
+    assert "needs its top-level code under `if __name__ == '__main__':`" in done.stderr.splitlines()[-1]
     guarded = tmp_path / "guarded.py"
     guarded.write_text(script.read_text().replace("print(", "if __name__ == '__main__':\n    print("))
     done = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)

@@ -54,7 +54,8 @@ keep its generators makes the debate verdicts "premise fails"; a failed gate mak
 
 Time on this 2-core CPU (a SmolLM2 step of 4 prompts x 8 samples costs 40-50 s at about 41 tokens a reply, the last
 run's records; 64 new tokens at most): the critic cells 1-3 minutes a level; the sampled premise 320 replies a level and
-temperature, about 2.5 minutes each (8 cells if both levels keep the critic premise); each Stage-1 run (two probes at seed 1, one at seed 2) 30 steps (3 generators x 10) plus three greedy
+temperature, about 2.5 minutes each (8 cells if both levels keep the critic premise); each Stage-1 run (two probes
+at seed 1, one at seed 2) 30 steps (3 generators x 10) plus three greedy
 evaluations and Stage 2's draw, about 25-30 minutes; each arm 30 critic steps and two debates, about 25 minutes, 4 of
 them. In all about 3 h 15 min at level 2 (about 2 h 30 min at level 1, with shorter replies and fewer problems):
 NOT within the ~90-minute budget, over it by about 1 h 45 min (1 h at level 1). The premise and the probes (about 1 h)
@@ -345,10 +346,15 @@ SHORT = 5
 """a generator whose sampled replies average fewer tokens than this at its last Stage-1 step writes no worked answer"""
 
 
+def who(cli) -> str:
+    """What every agent starts from, in the report's words."""
+    return "base model" if getattr(cli, "start", "base") == "base" else "post-GRPO start"
+
+
 def critic_lines(base_cells: dict, cli) -> list[str]:
     """The critic premise of each candidate level ({level: its cells, None when not measured})."""
     lines = ["## The critic premise (issue 42), on each candidate level", "",
-             f"The base model's greedy accuracy on {cli.num_eval_problems} held-out problems of the level (seed 0, "
+             f"The {who(cli)}'s greedy accuracy on {cli.num_eval_problems} held-out problems of the level (seed 0, "
              "benchmarks/premises/testbed_premises.py `proposal_cells`; level 1 has 20) alone and as a critic reading "
              "three proposals (a right one: the worked solution; a wrong one: the same with a near miss); a level "
              "counts where 1 of 3 right responses lifts it by >= 0.10 over none.", "",
@@ -365,7 +371,7 @@ def premise_lines(sampled: dict, choice: str | None, probes: dict, lr: float | N
     each seed's Stage 1 at that rate."""
     n_s = next(iter(sampled.values()))
     lines = ["## The Stage-1 premise", "",
-             f"The base model's sampled accuracy on {n_s['problems']} distinct training problems x {n_s['samples']} "
+             f"The {who(cli)}'s sampled accuracy on {n_s['problems']} distinct training problems x {n_s['samples']} "
              f"samples (seed {cli.seeds[0]}'s training pool, <= {cli.max_new_tokens} new tokens, a cut reply scores "
              f"0); it must lie in [{BAND[0]:.2f}, {BAND[1]:.2f}] so that groups are mixed. 'mixed': groups with right "
              "and wrong samples; 'held out': distinct problems of the judged split.", "",
@@ -504,14 +510,17 @@ def arm_lines(runs: dict, stage1: dict, cli, gates: dict) -> list[str]:
 
 def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cells: dict | None, runs: dict,
            records: list) -> str:
-    minutes = sum(r["seconds"] for r in records) / 60 + sum(c["seconds"] for c in sampled.values()) / 60
+    minutes = (sum(r["seconds"] for r in records) + sum(c["seconds"] for c in sampled.values())
+               + sum(b.get("seconds", 0.0) for b in base_cells.values() if b)) / 60  # not the post-GRPO start's run
     start = getattr(cli, "start", "base")
     lines = ["# MADA-RL on SmolLM2-135M-Instruct (issues 42, 62): Stage 1 first"
              + ("" if start == "base" else ", every agent starting from the post-GRPO model"), "",
-             f"`python -m benchmarks.claims.mada_rl_smollm2 --start {start} --num-eval-problems {cli.num_eval_problems} --agent-steps "
-             f"{cli.agent_steps} --seeds {' '.join(map(str, cli.seeds))}`, {time.strftime('%Y-%m-%d')}, "
+             f"`python -m benchmarks.claims.mada_rl_smollm2 --start {start} --num-eval-problems "
+             f"{cli.num_eval_problems} --agent-steps {cli.agent_steps} --seeds {' '.join(map(str, cli.seeds))}`, "
+             f"{time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s), {minutes:.0f} minutes of runs "
-             f"recorded. Runs: `python mada_rl.py --model-name {getattr(cli, 'model', MODEL)} {' '.join(ARM_FLAGS)} --levels L --temperature T "
+             f"recorded. Runs: `python mada_rl.py --model-name {getattr(cli, 'model', MODEL)} {' '.join(ARM_FLAGS)} "
+             "--levels L --temperature T "
              f"--proposal-temperature T --learning-rate LR --num-prompts {cli.num_prompts} --group-size "
              f"{cli.group_size} --max-new-tokens {cli.max_new_tokens} --num-train-problems {cli.num_train_problems} "
              f"--num-eval-problems {cli.num_eval_problems} --generator-steps {cli.agent_steps} --seed S` with "
