@@ -36,9 +36,10 @@ testbed-nl levels 1-3, is chosen step by step, each by a rule in code from the r
    greedy accuracy on the lift group (levels weighted by their distinct problems) lies in [0.5, 0.8]. None does:
    "untestable here". Most steps, because the paper's student is the stronger model: the last design's premise (the
    student beats the post teacher) cannot hold on the lift group once the student has headroom there (the post teacher
-   sits at 1.000 on level 1), so the issue's headroom rule replaces it there; it is kept where the pair is weak (the hold group), where the
-   paper's contrast lives (vanilla OPD should drag a stronger student down toward the teacher, direct OPD not), and is
-   reported beside the gate, not gated: a student below the post teacher there still tests the "does not pull down".
+   sits at 1.000 on level 1), so the issue's headroom rule replaces it there; it is kept where the pair is weak (the
+   hold group), where the paper's contrast lives (vanilla OPD should drag a stronger student down toward the teacher,
+   direct OPD not), and is reported beside the gate, not gated: a student below the post teacher there still tests the
+   "does not pull down".
 4. The gate (claim_runs.gate), two claims: LIFT, direct OPD raises the student on the lift group by the paper's 0.10;
    HOLD, a fall of 0.10 on the hold group would be seen (fall=True). The arms' held-out problems a level
    (`--num-eval-problems 0`, `eval_problems_for_power`): the fewest, in tens from 40, with which the noise rule detects
