@@ -29,7 +29,7 @@ testbed-nl levels 1-3, is chosen step by step, each by a rule in code from the r
    of seed 0, a set apart from every seed's evaluation): the levels where post beats pre beyond the noise
    (claim_runs.margin) are the LIFT group, the others the HOLD group (`split_levels`; on the last design: 1-2 and 3).
    (80 since issue 63's second session: at 40, level 2's +0.200 sat at the edge of the noise, +-0.205, so the split
-   was a coin toss; the 40-problem cells stay in the records, and level 1 has only 20 distinct sums at any n.)
+   was a coin toss; the 40-problem cells are in commit 2a31ccc's records; level 1 has 20 distinct sums at any n.)
 3. The student (`sft_students`, `choose_student`): the base model after 10, 15, 20, 25 or 30 supervised steps of 16
    worked solutions of levels 1-3 (one pass, a snapshot at each; 15 and 25 added in the second session, when level 1
    went from 0.150 at 10 steps to 1.000 at 20 and no candidate was in the band); chosen: the MOST steps at which its
