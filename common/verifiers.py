@@ -195,16 +195,16 @@ class _Pool:
 
     def get(self, modules: tuple = ()) -> cf.ProcessPoolExecutor:
         """The pool, whose workers have imported `modules` (one that has not is replaced, its queued answers kept)."""
-        frame = sys._getframe()
-        while frame:  # a starting worker re-runs an unguarded script (hangs)
-            if frame.f_globals.get("__name__") == "__mp_main__":
-                raise RuntimeError(UNGUARDED)
-            frame = frame.f_back
         with self.lock:
             if self.pool is not None and not set(modules) <= set(self.modules):
                 self.pool.shutdown(wait=False)
                 self.pool = None
             if self.pool is None:
+                frame = sys._getframe()
+                while frame:  # an unguarded script, re-run by a worker: it hangs
+                    if frame.f_globals.get("__name__") == "__mp_main__":
+                        raise RuntimeError(UNGUARDED)
+                    frame = frame.f_back
                 self.modules = tuple(sorted(set(self.modules) | set(modules)))
                 # forkserver: never fork a process holding torch's thread pools
                 self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("forkserver"),
