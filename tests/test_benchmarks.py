@@ -429,7 +429,7 @@ def test_mada_report_stops_where_the_stage_1_premise_fails():
     from benchmarks.claims.mada_rl_smollm2 import report
 
     cli = types.SimpleNamespace(num_eval_problems=40, agent_steps=10, seeds=[1, 2], num_prompts=4, group_size=8,
-                                max_new_tokens=64, num_train_problems=360)
+                                max_new_tokens=64, num_train_problems=360, start="base", model="smollm2-135m-instruct")
     cell = lambda lv, t, a: {"level": lv, "temperature": t, "accuracy": a, "mixed": 0.1, "cut": 0.0,  # noqa: E731
                              "held_out": 20 * lv, "problems": 40, "samples": 8, "seconds": 60.0}
     critic = lambda lv, one: {f"L{lv}": 0.2, f"L{lv}, 1 of 3 proposals right": 0.2,  # noqa: E731
@@ -704,3 +704,23 @@ def test_a_record_of_another_testbed_nl_version_is_reported_but_never_reused_for
     assert claim_runs.cached(str(cell), {"n": 4}, lambda: measured.append(1) or {"x": 2}, make=False)["x"] == 1
     assert claim_runs.cached(str(cell), {"n": 4}, lambda: measured.append(1) or {"x": 2})["x"] == 2
     assert measured == [1]
+
+
+def test_a_growing_record_measures_only_the_cells_it_lacks(tmp_path):
+    """cached(grow=True), as the MADA premise uses it when a temperature is added to the candidates."""
+    path, asked = str(tmp_path / "cells.json"), []
+
+    def measure(have, want=("a", "b")):
+        asked.append(sorted(have))
+        return {**have, **{k: k.upper() for k in want if k not in have}}
+
+    assert claim_runs.cached(path, {"n": 4}, measure, grow=True)["b"] == "B" and asked == [[]]
+    first = os.path.getmtime(path)
+    assert claim_runs.cached(path, {"n": 4}, measure, grow=True)["a"] == "A"  # nothing new: the record is not rewritten
+    assert asked[-1] == ["a", "b"] and os.path.getmtime(path) == first
+    grown = claim_runs.cached(path, {"n": 4}, lambda have: measure(have, ("a", "b", "c")), grow=True)
+    assert asked[-1] == ["a", "b"] and grown["c"] == "C" and json.loads(open(path).read())["c"] == "C"
+    assert claim_runs.cached(path, {"n": 4}, measure, make=False, grow=True)["c"] == "C"  # a report measures nothing
+    assert len(asked) == 3
+    assert claim_runs.cached(path, {"n": 5}, measure, grow=True) == {"a": "A", "b": "B", "settings": {"n": 5},
+                                                                    "ground": claim_runs.GROUND}  # other settings: anew

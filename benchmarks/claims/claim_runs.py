@@ -133,21 +133,30 @@ def finished_run(module, args, record_dir: str, measure=None, weights: bool = Fa
     return record
 
 
-def cached(path: str, settings: dict, measure, make: bool = True) -> dict:
+def cached(path: str, settings: dict, measure, make: bool = True, grow: bool = False) -> dict:
     """`measure()` with "settings" added, read back from the record `path` when it was made with the same `settings`
     on this testbed-nl version (any version with make=False: a report), else measured and written there (atomically):
-    a measurement of a model that a rerun need not repeat. make=False and no such record: a one-line error."""
+    a measurement of a model that a rerun need not repeat. make=False and no such record: a one-line error.
+    grow=True: a record of cells that later candidates add to; `measure(cells)` gets the recorded cells ({} without a
+    record) and returns them with the ones it lacks, so a rerun measures only what was added."""
+    saved = None
     try:
         with open(path) as f:
             saved = json.load(f)
-        if saved["settings"] == settings and (not make or saved.get("ground", 1) == GROUND):
-            return saved
+        if saved["settings"] != settings or (make and saved.get("ground", 1) != GROUND):
+            saved = None
     except (OSError, ValueError, KeyError):
-        pass
+        saved = None
+    if saved is not None and not (grow and make):
+        return saved
     if not make:
         raise SystemExit(f"error: no record of this measurement in {os.path.relpath(path)} (a report from the records "
                          "measures nothing: rerun without --report-only)")
-    res = {**measure(), "settings": settings, "ground": GROUND}
+    have = {k: v for k, v in (saved or {}).items() if k not in ("settings", "ground")}
+    cells = measure(have) if grow else measure()
+    if saved is not None and cells == have:
+        return saved
+    res = {**cells, "settings": settings, "ground": GROUND}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(res, f, indent=1)

@@ -84,7 +84,7 @@ import tyro
 
 import mada_rl
 from benchmarks import ROOT
-from benchmarks.claims.claim_runs import (GROUND, HEADROOM, Claim, cached, finished_run, gate, gate_section, margin,
+from benchmarks.claims.claim_runs import (HEADROOM, Claim, cached, finished_run, gate, gate_section, margin,
                                           untestable, verdict_lines)
 from benchmarks.premises.testbed_premises import nl_accuracy, proposal_cells, proposal_premises
 from common.data import encode_prompts, load_problems, render_prompt
@@ -168,28 +168,6 @@ def sampled_cells(cli, levels, have: dict) -> dict:
                                        "held_out": held_out(lv, cli), "seconds": time.time() - t0}
             print(f"sampled premise L{lv} T{temp:g}: {out[f'L{lv} T{temp:g}']['accuracy']:.3f}", flush=True)
     return out
-
-
-def sampled_record(path: str, settings: dict, cli, levels, make: bool) -> dict:
-    """The sampled premise's record: its cells read back (when made with the same settings on this testbed-nl
-    version), the cells of `levels` it lacks measured and added (atomically), so a temperature added later measures
-    only itself. make=False: the recorded cells only."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        saved = saved if saved["settings"] == settings and saved.get("ground", 1) == GROUND else {}
-    except (OSError, ValueError, KeyError):
-        saved = {}
-    have = {k: v for k, v in saved.items() if k.startswith("L")}
-    if not make:
-        return have
-    cells_ = sampled_cells(cli, levels, have)
-    if cells_ != have:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump({**cells_, "settings": settings, "ground": GROUND}, f, indent=1)
-        os.replace(path + ".tmp", path)
-    return cells_
 
 
 def choose_setting(cells: dict, levels=None) -> str | None:
@@ -348,7 +326,7 @@ SHORT = 5
 
 def who(cli) -> str:
     """What every agent starts from, in the report's words."""
-    return "base model" if getattr(cli, "start", "base") == "base" else "post-GRPO start"
+    return "base model" if cli.start == "base" else "post-GRPO start"
 
 
 def critic_lines(base_cells: dict, cli) -> list[str]:
@@ -512,14 +490,13 @@ def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cell
            records: list) -> str:
     minutes = (sum(r["seconds"] for r in records) + sum(c["seconds"] for c in sampled.values())
                + sum(b.get("seconds", 0.0) for b in base_cells.values() if b)) / 60  # not the post-GRPO start's run
-    start = getattr(cli, "start", "base")
     lines = ["# MADA-RL on SmolLM2-135M-Instruct (issues 42, 62): Stage 1 first"
-             + ("" if start == "base" else ", every agent starting from the post-GRPO model"), "",
-             f"`python -m benchmarks.claims.mada_rl_smollm2 --start {start} --num-eval-problems "
+             + ("" if cli.start == "base" else ", every agent starting from the post-GRPO model"), "",
+             f"`python -m benchmarks.claims.mada_rl_smollm2 --start {cli.start} --num-eval-problems "
              f"{cli.num_eval_problems} --agent-steps {cli.agent_steps} --seeds {' '.join(map(str, cli.seeds))}`, "
              f"{time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()}-core CPU, float32, {torch.get_num_threads()} thread(s), {minutes:.0f} minutes of runs "
-             f"recorded. Runs: `python mada_rl.py --model-name {getattr(cli, 'model', MODEL)} {' '.join(ARM_FLAGS)} "
+             f"recorded. Runs: `python mada_rl.py --model-name {cli.model} {' '.join(ARM_FLAGS)} "
              "--levels L --temperature T "
              f"--proposal-temperature T --learning-rate LR --num-prompts {cli.num_prompts} --group-size "
              f"{cli.group_size} --max-new-tokens {cli.max_new_tokens} --num-train-problems {cli.num_train_problems} "
@@ -606,8 +583,9 @@ def main():
                 raise
             base_cells[lv] = None
     ok = [lv for lv, b in base_cells.items() if b is not None and critic_holds(b, lv)]
-    sampled = sampled_record(os.path.join(cli.records, tagged(cli.start, "stage1_sampled.json")), settings, cli, ok,
-                             make)  # 2.
+    sampled = cached(os.path.join(cli.records, tagged(cli.start, "stage1_sampled.json")), settings,  # 2.
+                     lambda have: sampled_cells(cli, ok, have), make, grow=True) if ok else {}
+    sampled = {k: v for k, v in sampled.items() if k.startswith("L")}
     choice, records, probes, stage1, runs, lr = choose_setting(sampled, ok), {}, {}, {}, {}, None
 
     def record(args, weights=False):  # a run's record; None in a report when it is not recorded
@@ -642,8 +620,7 @@ def main():
             if rec is not None:
                 stage1[seed] = stage1_figures(rec)
             write()
-        ready = lr is not None
-        for seed in cli.seeds if ready and not cli.premise_only else []:
+        for seed in cli.seeds if lr is not None and not cli.premise_only else []:
             if seed not in stage1:
                 continue
             if make and not all(os.path.exists(os.path.join(cli.records, f"{a}_seed{seed}.json"))
