@@ -201,7 +201,7 @@ class _Pool:
                 self.pool = None
             if self.pool is None:
                 frame = sys._getframe()
-                while frame:  # an unguarded script, re-run by a worker: it hangs
+                while frame:  # an unguarded script re-run by a worker
                     if frame.f_globals.get("__name__") == "__mp_main__":
                         raise RuntimeError(UNGUARDED)
                     frame = frame.f_back
