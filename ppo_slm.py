@@ -20,7 +20,8 @@ The paper's three fixes for small models (docs/ppo_slm.md): the SFT adapter merg
 attached, with a check that the first update moves it (`--policy-init naive_adapter` reproduces the silent freeze);
 PPO in float32 with a logits guard; a safety envelope (score whitening and clip, ratio guard, rollback). Default:
 testbed-weak on level-3 sums, rejected = a corrupted answer; or the paper's pairs from a TinyStories-style dataset.
-Left out: NEFTune, mixed precision in SFT/RM, the agentic extension, resume, reward whitening across ranks.
+Left out: NEFTune, mixed precision in SFT/RM, the agentic extension, resume of PPO steps (the SFT and RM stages
+resume: same flags and run folder), reward whitening across ranks.
 
     python ppo_slm.py                                    # embedded CPU demo: testbed-weak, a few minutes
     python ppo_slm.py --model-name EleutherAI/pythia-410m-deduped --dataset roneneldan/TinyStories \\
@@ -366,8 +367,9 @@ def main(args: Args) -> dict:
     dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
     run_dir = logger.run_folder(args, rank)
     ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, no_resume=(  # Ctrl-C quits at once, one line
-        f"ppo_slm.py has no resume; a finished stage is in {run_dir} (sft_adapter/, reward_model/): rerun with "
-        "--sft-adapter or --reward-model pointing at it to skip it"))
+        f"PPO steps have no resume, the stages do: the same flags with --output-dir {os.path.dirname(run_dir)} "
+        f"--run-name {os.path.basename(run_dir)} skip a finished stage and continue SFT or RM from its last save "
+        f"(every {stages.STATE_EVERY} steps); or point --sft-adapter / --reward-model at a finished one"))
     from peft import PeftModel
     os.makedirs(run_dir, exist_ok=True)
     base = args.model_name  # a hub id or a local folder

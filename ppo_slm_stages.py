@@ -13,6 +13,8 @@ solution; rejected: the same with one arithmetic slip carried forward to a wrong
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import random
 import re
@@ -194,19 +196,93 @@ def sequence_scores(model, input_ids_BT, attention_mask_BT, pad_id: int, chunk: 
     return torch.cat(out)
 
 
-def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str):
-    """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `pairs`."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    rng = random.Random(seed)
-    for _ in tqdm(range(steps), desc=desc, leave=False, disable=bars_off()):
+STATE_EVERY = 25
+"""the SFT and RM stages save their training state every this many steps (see fit_lora)"""
+
+
+def stage_fingerprint(args, stage: str) -> dict:
+    """What a stage's saved state must match to be continued: the stage and the run's arguments, as args.json holds
+    them (the same command, so the same pairs, backbone and settings)."""
+    return {"stage": stage, "args": json.loads(json.dumps(dataclasses.asdict(args)))}
+
+
+def read_stage_state(path: str, fingerprint: dict) -> dict | None:
+    """The state fit_lora saved at `path`, if there is one with this fingerprint; else None (said when one is
+    there but belongs to another run or cannot be read)."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated file cannot come from fit_lora's atomic save, but a copied folder may hold one
+        print(f"{path}: unreadable ({type(e).__name__}); the stage starts afresh")
+        return None
+    if state.get("fingerprint") != fingerprint:
+        print(f"{path}: the saved state of another run's {state.get('fingerprint', {}).get('stage', 'stage')}; "
+              "the stage starts afresh")
+        return None
+    return state
+
+
+def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str,
+             state_path: str = "", fingerprint: dict | None = None, every: int = 0):
+    """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `pairs`. With `state_path`,
+    the trainable tensors, AdamW's state and the batch sampler's are saved there (atomically) every `every` steps, and
+    a state with the same `fingerprint` is read back first: an interrupted stage continues from its last save with the
+    batches and updates of a run that never stopped (`every` 0: STATE_EVERY). mark_done removes the file once the
+    stage's output is saved."""
+    every = every or STATE_EVERY
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(trainable.values(), lr=lr)
+    rng, start = random.Random(seed), 0
+    saved = read_stage_state(state_path, fingerprint)
+    if saved is not None:
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(saved["params"][n])
+        opt.load_state_dict(saved["optimizer"])
+        rng.setstate(saved["sampler"])
+        torch.set_rng_state(saved["torch_rng"])
+        start = saved["step"]
+        print(f"{desc}: continuing from step {start} of {steps}, saved in {state_path}")
+    for step in tqdm(range(start, steps), desc=desc, leave=False, disable=bars_off(), initial=start, total=steps):
         loss = loss_fn(rng.sample(pairs, min(batch_size, len(pairs))))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if state_path and (step + 1) % every == 0 and step + 1 < steps:
+            state = {"fingerprint": fingerprint, "step": step + 1, "optimizer": opt.state_dict(),
+                     "params": {n: p.detach().cpu() for n, p in trainable.items()},
+                     "sampler": rng.getstate(), "torch_rng": torch.get_rng_state()}
+            torch.save(state, state_path + ".tmp")
+            os.replace(state_path + ".tmp", state_path)
+
+
+def stage_done(out_dir: str, fingerprint: dict) -> bool:
+    """Whether `out_dir` holds this stage's output, finished by an earlier run of the same command (its stage.json,
+    written last, holds the fingerprint): a rerun after an interruption in a later stage skips it."""
+    try:
+        with open(os.path.join(out_dir, "stage.json")) as f:
+            done = json.load(f) == fingerprint
+    except (OSError, ValueError):
+        return False
+    if done:
+        print(f"{fingerprint['stage']}: finished by an earlier run of this command, read from {out_dir}")
+    return done
+
+
+def mark_done(out_dir: str, fingerprint: dict) -> None:
+    """After the stage's output is saved: stage.json, and its training state (no longer needed) removed."""
+    with open(os.path.join(out_dir, "stage.json"), "w") as f:
+        json.dump(fingerprint, f)
+    if os.path.exists(out_dir.rstrip("/") + ".state.pt"):
+        os.remove(out_dir.rstrip("/") + ".state.pt")
 
 
 def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
     """Stage 1: LoRA (alpha = 2r) on the chosen completions, next-token loss on the completion tokens."""
+    fingerprint = stage_fingerprint(args, "sft")
+    if stage_done(out_dir, fingerprint):
+        return
     backbone = load_model(base, "float32", device)
     mask_padded_head(backbone, len(tokenizer))  # the loss normalises over the tokenizer's rows only
     model = add_lora(backbone, ["default"], args.sft_lora_r, 2 * args.sft_lora_r, args.lora_target_modules)
@@ -217,13 +293,19 @@ def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, devic
                      position_ids=position_ids(attn_BT).to(device),
                      labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
 
-    fit_lora(model, pairs, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft")
+    fit_lora(model, pairs, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft",
+             out_dir.rstrip("/") + ".state.pt", fingerprint)
     model.save_pretrained(out_dir)
+    mark_done(out_dir, fingerprint)
 
 
 def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
     """Stage 2: the SFT backbone (adapter merged) with a scalar head, Bradley-Terry loss; saved merged."""
     from transformers.utils import logging as hf_logging
+
+    fingerprint = stage_fingerprint(args, "reward model")
+    if stage_done(out_dir, fingerprint):
+        return
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report would list score.weight as MISSING (expected: said below)
@@ -243,9 +325,11 @@ def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir
                   position_ids=position_ids(attn_BT).to(device)).logits[:, 0]
         return -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
 
-    fit_lora(rm, pairs, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model")
+    fit_lora(rm, pairs, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model",
+             out_dir.rstrip("/") + ".state.pt", fingerprint)
     rm.merge_and_unload().save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    mark_done(out_dir, fingerprint)
 
 
 def pair_accuracy(rm, tokenizer, pairs: list[Pair], name: str = "rm/pair_accuracy") -> dict:

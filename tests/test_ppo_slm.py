@@ -197,6 +197,60 @@ def test_rollbacks_stop_training_after_the_limit(stages, tmp_path, monkeypatch):
     assert out["steps"] == 1 and out["rollbacks"] == 1
 
 
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_reward_model_continues_where_it_saved(tiny_model_dir, tmp_path, monkeypatch):
+    # a stage killed mid-way keeps its last save; the same flags and run folder skip the finished SFT stage and end
+    # with the reward model of a run never stopped; a claim benchmark sees the folder as one to continue, not stale
+    import ppo_slm_stages as stages
+    from benchmarks.claims import claim_runs
+
+    flags = ["--rm-steps", "6", "--total-steps", "0"]
+    whole = ppo_slm.main(_args(tmp_path, tiny_model_dir, *flags, "--run-name", "whole"))
+    monkeypatch.setattr(stages, "STATE_EVERY", 2)
+    real_tqdm = stages.tqdm
+
+    def killed_after_5_rm_steps(it, desc="", **kw):
+        for i, x in enumerate(real_tqdm(it, desc=desc, **kw)):
+            if desc == "reward model" and i == 5:
+                raise Interrupted
+            yield x
+
+    args = _args(tmp_path, tiny_model_dir, *flags, "--run-name", "cut")
+    monkeypatch.setattr(stages, "tqdm", killed_after_5_rm_steps)
+    with pytest.raises(Interrupted):
+        ppo_slm.main(args)
+    run_dir = tmp_path / "cut"
+    assert (run_dir / "reward_model.state.pt").exists() and (run_dir / "sft_adapter" / "stage.json").exists()
+    assert torch.load(run_dir / "reward_model.state.pt", weights_only=True)["step"] == 4
+    assert claim_runs.folder_state(ppo_slm, args) == "resume"
+    assert claim_runs.folder_state(ppo_slm, _args(tmp_path, tiny_model_dir, "--rm-steps", "7", "--total-steps", "0",
+                                                  "--run-name", "cut")) == "stale"
+    monkeypatch.setattr(stages, "tqdm", real_tqdm)
+    with contextlib.redirect_stdout(io.StringIO()) as console:
+        again = ppo_slm.main(args)
+    assert "sft: finished by an earlier run" in console.getvalue()
+    assert "reward model: continuing from step 4 of 6" in console.getvalue()
+    assert not (run_dir / "reward_model.state.pt").exists()
+    done, fresh = (load_file(os.path.join(o["reward_model"], "model.safetensors")) for o in (again, whole))
+    assert done.keys() == fresh.keys() and all(torch.equal(done[k], fresh[k]) for k in done)
+
+
+def test_a_stage_state_of_other_flags_is_not_continued(tiny_model_dir, tmp_path, monkeypatch):
+    import ppo_slm_stages as stages
+
+    args = _args(tmp_path, tiny_model_dir, "--rm-steps", "4", "--total-steps", "0", "--run-name", "r")
+    other = stages.stage_fingerprint(_args(tmp_path, tiny_model_dir, "--rm-lr", "1e-3"), "reward model")
+    os.makedirs(tmp_path / "r")
+    torch.save({"fingerprint": other, "step": 2}, tmp_path / "r" / "reward_model.state.pt")
+    with contextlib.redirect_stdout(io.StringIO()) as console:
+        ppo_slm.main(args)
+    assert "the saved state of another run's reward model; the stage starts afresh" in console.getvalue()
+    assert "continuing" not in console.getvalue()
+
+
 def test_naive_adapter_load_freezes_and_the_check_catches_it(stages, tmp_path):
     model, paths, _ = stages
     with pytest.raises(SystemExit, match="silent LoRA freeze: the policy has no trainable"):

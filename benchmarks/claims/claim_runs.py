@@ -46,10 +46,33 @@ def _as_json(args) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(args)))
 
 
+def stage_in_progress(module, args, run_dir: str) -> bool:
+    """Whether run_dir holds a run of these arguments stopped in its supervised stages (ppo_slm_stages.py, before
+    args.json is written): a stage's saved training state (<stage>.state.pt) or a finished stage (<stage>/stage.json),
+    which its rerun continues or skips."""
+    import glob
+
+    import torch
+
+    for path in glob.glob(os.path.join(run_dir, "*.state.pt")) + glob.glob(os.path.join(run_dir, "*", "stage.json")):
+        try:
+            if path.endswith(".pt"):
+                saved = torch.load(path, map_location="cpu", weights_only=True)["fingerprint"]["args"]
+            else:
+                with open(path) as f:
+                    saved = json.load(f)["args"]
+        except Exception:  # unreadable: the stage's own check says so and starts it afresh
+            continue
+        if same_args(saved, _as_json(args), _as_json(module.Args())):
+            return True
+    return False
+
+
 def folder_state(module, args) -> str:
     """What output_dir/run_name holds for these arguments: 'finished' (its final evaluation is logged at
-    --total-steps, after the first; or the one of a run of 0 steps), 'resume' (a checkpoint of this run), 'stale'
-    (another run, or one stopped before its first checkpoint) or 'fresh' (nothing)."""
+    --total-steps, after the first; or the one of a run of 0 steps), 'resume' (a checkpoint of this run, or a run
+    stopped in its supervised stages: stage_in_progress), 'stale' (another run, or one stopped before its first
+    checkpoint) or 'fresh' (nothing)."""
     run_dir = os.path.join(args.output_dir, args.run_name)
     if not os.path.exists(run_dir):
         return "fresh"
@@ -58,7 +81,7 @@ def folder_state(module, args) -> str:
             saved = json.load(f)
         rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     except (OSError, ValueError, SystemExit):
-        return "stale"
+        return "resume" if stage_in_progress(module, args, run_dir) else "stale"
     if not same_args(saved, _as_json(args), _as_json(module.Args())):
         return "stale"
     evals = [r for r in rows if "eval/greedy_accuracy" in r]
@@ -116,7 +139,7 @@ def finished_run(module, args, record_dir: str, measure=None, weights: bool = Fa
         print(f"{args.run_name}: {run_dir} holds another or an unsaved run; moved to {aside}, starting afresh")
         shutil.move(run_dir, aside)
     elif state == "resume":
-        print(f"{args.run_name}: continuing the interrupted run in {run_dir} from its checkpoint")
+        print(f"{args.run_name}: continuing the interrupted run in {run_dir} from its checkpoint or saved stage")
         args.resume = run_dir  # the trainer keeps args.json and drops the metric rows after the checkpoint
     if state != "finished":
         module.main(args)

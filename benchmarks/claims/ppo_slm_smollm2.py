@@ -64,7 +64,9 @@ claim (../shared/CLAIMS.md) that is a 2x to 7x overrun, almost all of it the rew
 
 Every finished run is a record in benchmarks/claims/runs/ppo_slm_smollm2/v2/ (claim_runs.py); the last design's
 records (testbed-nl version 1) stay in the folder above it, read only for the entropy a noisy-RM step loses. ppo_slm.py
-writes no checkpoints, so an interrupted run starts again. --report-only writes the report from the records.
+keeps no PPO checkpoints, so an interrupted PPO arm starts again; its SFT and RM stages save their state every 25
+steps, so an interrupted stage (a probe RM: hours) continues from its last save in the next session (claim_runs'
+stage_in_progress). --report-only writes the report from the records.
 
 The gate (claim_runs.py `gate`, plus the reward model and the budget): PPO adds nothing to the prompt; the SFT
 policy's held-out greedy accuracy must leave room; 160 prompts must be able to show the paper's win rate over SFT
