@@ -80,8 +80,9 @@ that keeps the power (the power is in the evaluated problems, which the gate siz
 (a) the control on seed 1 only (`--arms direct vanilla_opd grpo_student` for seed 2; it is an identity: post = pre
 makes the shift exactly 0 and the KL's gradient 0 at the start, so the student never moves; the last design's two
 controls ended at KL 0.0000 and their start), about -1 hour; (b) 20 steps for every arm and the probe (`--steps 20`),
-about -1.5 hours, at the risk of a smaller effect at a rate this small; (c) seed 1 of every arm first (`--seeds 1`),
-seed 2 after reading it. With (a) and (b) about 3.5-4.5 hours. Every finished run and measurement is a record in
+about -1.5 hours, at the risk of a smaller effect at a rate this small; (c) the arms run seed-major, so seed 1 of
+every arm is recorded first (the gate needs both seeds: `--seeds 1` alone stops at it, "power, 1 seed"). With (a)
+and (b) about 3.5-4.5 hours. Every finished run and measurement is a record in
 benchmarks/claims/runs/direct_opd_smollm2/ (claim_runs.py); an interrupted run continues from its checkpoint.
 
     python -m benchmarks.claims.direct_opd_smollm2 --until ground    # cut shares, pair, students, gate (~55 min)
