@@ -519,6 +519,18 @@ def report(cli, st: dict) -> str:
                            f"{mean_kl(r['rows']):.4f}" if arm != "grpo_student" else "n/a",
                            "{:.0f} -> {:.0f}".format(*first_last(r["rows"], "rollout/completion_len")),
                            f"{r['seconds'] / 60:.0f}"] for (arm, s), r in st["runs"].items()])]
+        if st.get("arm_cells"):
+            student = st["cells"][f"student, {st['sft']} SFT steps"]
+            lines += ["", f"The arms' final weights on the cells' problems ({cli.cells_problems} a level, seed 0, "
+                      f"greedy, {st['arm_cap']} new tokens): accuracy and mean reply tokens per level, beside the "
+                      "student and the pair (a diagnostic added after seed 1's direct arm ran; no rule reads it):", "",
+                      *table(["model", *[f"L{lv}" for lv in LEVELS], *[f"L{lv} reply tokens" for lv in LEVELS]],
+                             [[name, *[f"{c[f'L{lv}']:.3f}" for lv in LEVELS],
+                               *[f"{c['tokens'][f'L{lv}']:.0f}" for lv in LEVELS]]
+                              for name, c in [("student (start)", student),
+                                              ("pre teacher", st["cells"]["pre teacher (base)"]),
+                                              ("post teacher", st["cells"]["post teacher"]),
+                                              *[(f"{a}, seed {sd}", c) for (a, sd), c in st["arm_cells"].items()]]])]
         done = [s for s in cli.seeds if all((a, s) in st["runs"] for a in ("direct", "vanilla_opd", "grpo_student"))]
         acc = {k: r["groups"] for k, r in st["runs"].items()}
         lines += verdict_lines(done, cli.seeds, lambda d: verdict(acc, d, st["sizes"], st["hold_failed"]),
@@ -659,6 +671,14 @@ def stages(cli, make: bool, st: dict, write) -> None:
             st["runs"][(arm, seed)] = {**r, "groups": run_groups(r, groups, n, seed),
                                        "levels": {lv: (e[0][f"eval/greedy_accuracy/level_{lv}"],
                                                        e[-1][f"eval/greedy_accuracy/level_{lv}"]) for lv in LEVELS}}
+            final = os.path.join(cli.output_dir, args.run_name, "checkpoint")  # the final weights
+            try:  # what the arm did to each level's replies, on the cells' problems (a diagnostic: no rule reads it)
+                st.setdefault("arm_cells", {})[(arm, seed)] = cell(args.run_name, final, run=args.run_name) if (
+                    make and os.path.isdir(final)) else cached(rec(f"cells_{args.run_name}_tok{cap}.json"),
+                                                               {"n": n_c, "cap": cap, "run": args.run_name}, None,
+                                                               make=False)
+            except SystemExit:  # no record and no weights: the table leaves the arm out
+                pass
             write()
 
 
