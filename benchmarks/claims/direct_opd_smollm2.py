@@ -75,14 +75,15 @@ end, and the arms pass --no-eval-teachers, so direct_opd.py does not evaluate th
   each), 30-40 minutes; one or two rates;
 - the arms: direct / vanilla / control 30 steps and two evaluations, 37-57 minutes each, x 2 seeds; GRPO seed 2,
   30-40 minutes.
-In all about 5.5-7.5 hours against the ~90 minutes of ../shared/CLAIMS.md: over by 4-6 hours. The smallest design
-that keeps the power (the power is in the evaluated problems, which the gate sizes, not in the steps or the arms):
-(a) the control on seed 1 only (`--arms direct vanilla_opd grpo_student` for seed 2; it is an identity: post = pre
-makes the shift exactly 0 and the KL's gradient 0 at the start, so the student never moves; the last design's two
-controls ended at KL 0.0000 and their start), about -1 hour; (b) 20 steps for every arm and the probe (`--steps 20`),
-about -1.5 hours, at the risk of a smaller effect at a rate this small; (c) the arms run seed-major, so seed 1 of
-every arm is recorded first (the gate needs both seeds: `--seeds 1` alone stops at it, "power, 1 seed"). With (a)
-and (b) about 3.5-4.5 hours. Every finished run and measurement is a record in
+In all about 5.5-7.5 hours against the ~90 minutes of ../shared/CLAIMS.md: over by 4-6 hours. Measured alone on 2
+threads (issue 63's third session): a direct or vanilla OPD arm 18-24 minutes, a GRPO arm 10-13, an arm's cells 1. The
+smallest design that keeps the power (the power is in the evaluated problems, which the gate sizes, not in the steps or
+the arms): (a) the control on seed 1 only (`--arms direct vanilla_opd grpo_student` for seed 2; it is an identity: post
+= pre makes the shift exactly 0 and the KL's gradient 0 at the start, so the student never moves; the last design's two
+controls ended at KL 0.0000 and their start, and so did this one's), about -1 hour; (b) 20 steps for every arm and the
+probe (`--steps 20`), about -1.5 hours, at the risk of a smaller effect at a rate this small; (c) the arms run
+seed-major, so seed 1 of every arm is recorded first (the gate needs both seeds: `--seeds 1` alone stops at it, "power,
+1 seed"). With (a) and (b) about 3.5-4.5 hours. Every finished run and measurement is a record in
 benchmarks/claims/runs/direct_opd_smollm2/ (claim_runs.py); an interrupted run continues from its checkpoint.
 
     python -m benchmarks.claims.direct_opd_smollm2 --until ground    # cut shares, pair, students, gate (~55 min)
