@@ -60,7 +60,8 @@ PPO step about 50 s, a 40-step arm 35-41 minutes at 80 held-out prompts, about 5
 minutes; each further RM of the probe about 4 x 50 = 200 minutes; the freeze pair about 10; the outcome arms 2 x 45;
 the noisy arms, if the budget allows them, 4 x 45. So 3 hours if the stages' RM passes and the collapse stays out of
 budget; about 7.5 hours to find that no RM passes (no arm then runs); 10 hours at most. Against the ~90 minutes of a
-claim (../shared/CLAIMS.md) that is a 2x to 7x overrun, almost all of it the reward model.
+claim (../shared/CLAIMS.md) that is a 2x to 7x overrun, almost all of it the reward model. Alone on 2 threads
+(issue 63's third session) an RM step of the probe took about 9.4 s: about 95 minutes for a 600-step RM.
 
 Every finished run is a record in benchmarks/claims/runs/ppo_slm_smollm2/v2/ (claim_runs.py); the last design's
 records (testbed-nl version 1) stay in the folder above it, read only for the entropy a noisy-RM step loses. ppo_slm.py
