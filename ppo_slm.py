@@ -20,8 +20,7 @@ The paper's three fixes for small models (docs/ppo_slm.md): the SFT adapter merg
 attached, with a check that the first update moves it (`--policy-init naive_adapter` reproduces the silent freeze);
 PPO in float32 with a logits guard; a safety envelope (score whitening and clip, ratio guard, rollback). Default:
 testbed-weak on level-3 sums, rejected = a corrupted answer; or the paper's pairs from a TinyStories-style dataset.
-Left out: NEFTune, mixed precision in SFT/RM, the agentic extension, resume of PPO steps (the SFT and RM stages
-resume: same flags and run folder), reward whitening across ranks.
+Left out: NEFTune, mixed precision in SFT/RM, the agentic extension, PPO-step resume, reward whitening across ranks.
 
     python ppo_slm.py                                    # embedded CPU demo: testbed-weak, a few minutes
     python ppo_slm.py --model-name EleutherAI/pythia-410m-deduped --dataset roneneldan/TinyStories \\
@@ -367,9 +366,8 @@ def main(args: Args) -> dict:
     dist.seed_everything(args.seed + rank)  # python, numpy and torch: each rank its own random stream
     run_dir = logger.run_folder(args, rank)
     ctrl_c = checkpoint.catch_ctrl_c(run_dir, rank, no_resume=(  # Ctrl-C quits at once, one line
-        f"PPO steps have no resume, the stages do: the same flags with --output-dir {os.path.dirname(run_dir)} "
-        f"--run-name {os.path.basename(run_dir)} skip a finished stage and continue SFT or RM from its last save "
-        f"(every {stages.STATE_EVERY} steps); or point --sft-adapter / --reward-model at a finished one"))
+        f"PPO steps have no resume; the same flags and --run-name {os.path.basename(run_dir)} skip a finished stage "
+        f"and continue SFT or RM from its last save (every {stages.STATE_EVERY} steps)"))
     from peft import PeftModel
     os.makedirs(run_dir, exist_ok=True)
     base = args.model_name  # a hub id or a local folder

@@ -223,14 +223,17 @@ def read_stage_state(path: str, fingerprint: dict) -> dict | None:
     return state
 
 
+def state_file(out_dir: str) -> str:
+    """Where the stage writing `out_dir` keeps its training state while it runs."""
+    return out_dir.rstrip("/") + ".state.pt"
+
+
 def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str,
-             state_path: str = "", fingerprint: dict | None = None, every: int = 0):
+             state_path: str = "", fingerprint: dict | None = None):
     """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `pairs`. With `state_path`,
-    the trainable tensors, AdamW's state and the batch sampler's are saved there (atomically) every `every` steps, and
-    a state with the same `fingerprint` is read back first: an interrupted stage continues from its last save with the
-    batches and updates of a run that never stopped (`every` 0: STATE_EVERY). mark_done removes the file once the
-    stage's output is saved."""
-    every = every or STATE_EVERY
+    the trainable tensors, AdamW's state and the batch sampler's are saved there (atomically) every STATE_EVERY steps,
+    and a state with the same `fingerprint` is read back first: an interrupted stage continues from its last save with
+    the batches and updates of a run that never stopped. mark_done removes the file once the stage's output is saved."""
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(trainable.values(), lr=lr)
     rng, start = random.Random(seed), 0
@@ -249,7 +252,7 @@ def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if state_path and (step + 1) % every == 0 and step + 1 < steps:
+        if state_path and (step + 1) % STATE_EVERY == 0 and step + 1 < steps:
             state = {"fingerprint": fingerprint, "step": step + 1, "optimizer": opt.state_dict(),
                      "params": {n: p.detach().cpu() for n, p in trainable.items()},
                      "sampler": rng.getstate(), "torch_rng": torch.get_rng_state()}
@@ -274,8 +277,8 @@ def mark_done(out_dir: str, fingerprint: dict) -> None:
     """After the stage's output is saved: stage.json, and its training state (no longer needed) removed."""
     with open(os.path.join(out_dir, "stage.json"), "w") as f:
         json.dump(fingerprint, f)
-    if os.path.exists(out_dir.rstrip("/") + ".state.pt"):
-        os.remove(out_dir.rstrip("/") + ".state.pt")
+    if os.path.exists(state_file(out_dir)):
+        os.remove(state_file(out_dir))
 
 
 def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
@@ -294,7 +297,7 @@ def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, devic
                      labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
 
     fit_lora(model, pairs, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft",
-             out_dir.rstrip("/") + ".state.pt", fingerprint)
+             state_file(out_dir), fingerprint)
     model.save_pretrained(out_dir)
     mark_done(out_dir, fingerprint)
 
@@ -326,7 +329,7 @@ def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir
         return -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
 
     fit_lora(rm, pairs, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model",
-             out_dir.rstrip("/") + ".state.pt", fingerprint)
+             state_file(out_dir), fingerprint)
     rm.merge_and_unload().save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     mark_done(out_dir, fingerprint)
