@@ -438,9 +438,10 @@ def test_mada_report_stops_where_the_stage_1_premise_fails():
     held = {1: critic(1, 0.4), 2: critic(2, 0.4)}  # 1 of 3 right lifts both levels by 0.40
     sampled = {"L1 T1": cell(1, 1.0, 0.1), "L2 T1": cell(2, 1.0, 0.05)}
     text = report(cli, sampled, None, {}, None, {}, held, {}, [])
-    assert "## Verdict: untestable here: the Stage-1 premise fails: no level whose critic premise holds (level 1, " \
+    assert "## Verdict: premise fails (Stage 1): no level whose critic premise holds (level 1, " \
            "level 2) gives a sampled accuracy in [0.20, 0.80] at any temperature tried (L1 T1 0.100, L2 T1 0.050)" \
            in text
+    assert "Not reached: the premise fails first (below)." in text and "Not yet" not in text
     assert text.index("## The gate") < text.index("## The critic premise") < text.index("## The Stage-1 premise") \
         < text.index("## Verdict")
     text = report(cli, sampled, None, {}, None, {}, {1: critic(1, 0.05), 2: critic(2, 0.0)}, {}, [])
@@ -450,7 +451,7 @@ def test_mada_report_stops_where_the_stage_1_premise_fails():
     probe = lambda *g: {"base": 0.55, "gens": list(g), "n": 20, "lens": [(20, 2)] * 3, "seconds": 600.0}  # noqa: E731
     text = report(cli, sampled, "L1 T1", {1e-4: probe(0.1, 0.0, 0.0), 3e-4: probe(0.0, 0.0, 0.0)}, None, {}, held,
                   {}, [])
-    assert "## Verdict: untestable here: the Stage-1 premise fails: no learning rate keeps the generators at or " \
+    assert "## Verdict: premise fails (Stage 1): no learning rate keeps the generators at or " \
            "above the base model after Stage 1 (0.0001: 0.100 / 0.000 / 0.000 against 0.550; 0.0003: " in text
     assert "## The arms" not in text
 

@@ -505,15 +505,18 @@ def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cell
              f"{cli.agent_steps} --generators-from <that run>` with and without `--no-counterfactual` (the arms). "
              "Noise: a cell of 40 problems is +-0.15 at p = 0.5 (95 %), of 20 +-0.22.", ""]
     level = sampled[choice]["level"] if choice else None
+    ok = [lv for lv, b in base_cells.items() if b is not None and critic_holds(b, lv)]
+    premise_fails = (bool(base_cells) and all(b is not None for b in base_cells.values()) and not ok
+                     or choice is None or lr is None and len(probes) == len(LRS))
     if choice and lr is not None and all(s in stage1 for s in cli.seeds):
         gates = gates_of(cli, level, stage1)
         lines += gate_section(list(gates.values()), list(gates))
     else:
         gates = None
         lines += ["## The gate (benchmarks/claims/claim_runs.py, before any arm trains)", "",
+                  "Not reached: the premise fails first (below)." if premise_fails else
                   "Not yet: it needs every seed's Stage 1 (the base model's start and acc_G come from those runs).", ""]
     lines += critic_lines(base_cells, cli)
-    ok = [lv for lv, b in base_cells.items() if b is not None and critic_holds(b, lv)]
     if base_cells and all(b is not None for b in base_cells.values()) and not ok:
         return "\n".join(lines + ["", "## Verdict: premise fails (on no level do the critics use a right proposal): "
                                   "no arm ran."]) + "\n"
@@ -531,7 +534,7 @@ def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cell
                    f"{r:g}: " + " / ".join(f"{a:.3f}" for a in fig["gens"]) + f" against {fig['base']:.3f}"
                    for r, fig in probes.items()) + ")")
         if choice is None or len(probes) == len(LRS):
-            lines += ["", f"## Verdict: untestable here: the Stage-1 premise fails: {why}", "",
+            lines += ["", f"## Verdict: premise fails (Stage 1): {why}", "",
                       "No arm ran: a debate of broken generators, or of generators whose groups hold no signal, could "
                       "count neither for nor against the paper."]
         return "\n".join(lines) + "\n"
