@@ -560,6 +560,25 @@ def test_ppo_outcome_is_judged_by_the_verifier_as_well_as_by_the_rm():
     assert "Verdict, outcome: partly shown" in verdict(good, fell) and "accuracy down beyond the noise" in \
         verdict(good, fell)
     assert "Verdict, outcome: not shown" in verdict(((0.6, 0.6), 0.49, 0.5), ((0.6, 0.6), 0.55, 0.5))
+    same = ((0.6, 0.6), 0.62, 0.45)  # verifier win rate below 0.5 inside its noise (+-0.077): no harm
+    assert verdict(same, same).startswith("Verdict, outcome: shown (") and "no change beyond the noise" in \
+        verdict(same, same)
+    worse = ((0.6, 0.6), 0.62, 0.40)  # below 0.5 beyond the noise: harm, though greedy accuracy held
+    assert "Verdict, outcome: partly shown" in verdict(same, worse)
+    assert "up beyond the noise on one seed only" in verdict(good, same)
+
+
+def test_the_ppo_gate_reads_each_seeds_own_start_once_its_arm_is_recorded():
+    text = ppo_report([(0.491, 1.0), (0.7, 0.66)])  # before the arms: the stages' start (seed 1's problems)
+    assert "the SFT policy (every run's start; seed 1's problems), on 160 held-out level-3 prompts: 0.600 / 0.600 " \
+           "(seeds 1 / 2)" in text
+    runs = {("ppo", 1): ppo_record(0.6, 0.7, win_rm=0.6, **ppo_rm(0.7, 0.66)),
+            ("ppo", 2): ppo_record(0.95, 0.95, win_rm=0.6, **ppo_rm(0.58, 0.71))}
+    text = ppo_report([(0.491, 1.0), (0.7, 0.66)], runs)  # seed 2's own problems leave no headroom
+    assert "(every run's start; each seed's own problems), on 160 held-out level-3 prompts: 0.600 / 0.950 " in text
+    assert "Gate: outcome: untestable here: headroom" in text
+    assert "on each seed's own pairs (seed 1's chose it): seed 1: answer 0.700, step 0.660; seed 2: answer 0.580, " \
+           "step 0.710." in text
 
 
 def test_a_report_from_the_records_never_runs(tmp_path):

@@ -45,10 +45,12 @@ two rates: claim_runs.margin):
   not with it on, on every seed; partly if no run collapses either way but the envelope-off run ends lower on every
   seed beyond claim_runs.margin; else not shown.
 - outcome, by the RM (the paper's measure): shown if its win rate is above 0.5 beyond the noise on both seeds and the
-  verifier sees no harm (its win rate at 0.5 or above and greedy accuracy not below the start beyond the noise, each
-  seed); partly if above 0.5 on both inside the noise, or beyond it on one, or beyond on both with harm; else not
-  shown. By the verifier, said beside it: greedy accuracy up beyond the noise on both seeds, down beyond it on one,
-  or neither.
+  verifier sees no harm (its win rate not below 0.5 beyond the noise and greedy accuracy not below the start beyond
+  the noise, each seed); partly if above 0.5 on both inside the noise, or beyond it on one, or beyond on both with
+  harm; else not shown. By the verifier, said beside it: greedy accuracy up beyond the noise on both seeds, down
+  beyond it on one, up on one only, or neither. (Until issue 63's fourth session a verifier win rate below 0.5 by
+  any amount was harm; one sample a prompt puts an unchanged policy there about half the time. Changed before any
+  outcome arm of this design ran.)
 
     python -m benchmarks.claims.ppo_slm_smollm2 --probe-only    # stages, the RM probe and the gate; then:
     python -m benchmarks.claims.ppo_slm_smollm2                 # the freeze pair and what the gate lets run
@@ -263,12 +265,17 @@ def naive_freeze(args) -> dict:
             "seconds": time.time() - t0}
 
 
-def claims(cli, sft_greedy: float) -> dict:
+def claims(cli, sft_greedy: float, runs: dict | None = None) -> dict:
     """The gate declarations of the outcome (a win rate over SFT against 0.5) and of the collapse (the envelope-off
-    run falling to half the SFT policy's accuracy)."""
+    run falling to half the SFT policy's accuracy). A seed's start is its outcome arm's first evaluation (its own
+    held-out problems) once that arm is recorded; before, the stages' (seed 1's problems)."""
     split = f"{cli.num_eval_prompts} held-out level-{LEVEL} prompts"
-    common = dict(split=split, n=cli.num_eval_prompts, seeds=list(cli.seeds), start={s: sft_greedy for s in cli.seeds},
-                  start_is="greedy accuracy of the SFT policy (every run's start; seed 1's problems)",
+    own = {s: evals_of(runs[("ppo", s)])[0]["eval/greedy_accuracy"] for s in cli.seeds if ("ppo", s) in (runs or {})}
+    problems = ("each seed's own problems" if len(own) == len(cli.seeds) else
+                "seed 1's problems" if not own else f"seed {', '.join(map(str, own))}'s own problems, else seed 1's")
+    common = dict(split=split, n=cli.num_eval_prompts, seeds=list(cli.seeds),
+                  start={s: own.get(s, sft_greedy) for s in cli.seeds},
+                  start_is=f"greedy accuracy of the SFT policy (every run's start; {problems})",
                   contexts_are="none: PPO adds nothing to the prompt; the reward model scores the samples")
     return {"outcome": Claim(**common, effect=0.08, against=0.5, name="outcome",
                              effect_is="the paper: win rates 0.565-0.597 over SFT for SmolLM2-360M, ALGORITHMS.md 8.7"),
@@ -361,11 +368,12 @@ def outcome_verdict(runs: dict, seeds: list, n: int) -> str:
     acc = {s: (first[s]["eval/greedy_accuracy"], last[s]["eval/greedy_accuracy"]) for s in seeds}
     up = [b - a > margin(a, b, n) for a, b in acc.values()]
     down = [a - b > margin(a, b, n) for a, b in acc.values()]
-    harm = any(down) or any(last[s]["eval/win_rate_verifier"] < 0.5 for s in seeds)
+    harm = any(down) or any(last[s]["eval/win_rate_verifier"] < 0.5 - noise for s in seeds)
     beyond, above = [win[s] - 0.5 > noise for s in seeds], [win[s] > 0.5 for s in seeds]
     verdict = ("shown" if all(beyond) and not harm else "partly shown" if all(above) or any(beyond) else "not shown")
     by_verifier = ("greedy accuracy up beyond the noise on every seed" if all(up) else
-                   "greedy accuracy down beyond the noise" if any(down) else "no change beyond the noise")
+                   "greedy accuracy down beyond the noise" if any(down) else
+                   "greedy accuracy up beyond the noise on one seed only" if any(up) else "no change beyond the noise")
     wins = ", ".join(f"{win[s]:.3f}" for s in seeds)
     verifier = ", ".join(f"{last[s]['eval/win_rate_verifier']:.3f}" for s in seeds)
     greedy = ", ".join(f"{a:.3f} -> {b:.3f}" for a, b in acc.values())
@@ -389,11 +397,11 @@ def collapse_verdict(runs: dict, seeds: list, n: int, steps: int) -> str:
                                       f"on {fate(runs[('noisy_on', s)], col[('noisy_on', s)])}" for s in seeds)
 
 
-def gates(cli, stages: dict, probe: list, counts: dict) -> dict:
+def gates(cli, stages: dict, probe: list, counts: dict, runs: dict | None = None) -> dict:
     """The gate of both claims: its lines, what failed of each ({claim: [gate, figures]}), what each lets its verdict
     be ('passes', 'pending (the RM probe)' or 'untestable here: ...') and the chosen RM's name."""
     s0 = evals_of(stages)[0]
-    cl = claims(cli, s0["eval/greedy_accuracy"])
+    cl = claims(cli, s0["eval/greedy_accuracy"], runs)
     (out_lines, out_failed), (col_lines, col_failed) = (gate(cl[c], {"leaks": 0, "contexts": 0})
                                                         for c in ("outcome", "collapse"))
     rm_line, rm_failed, chosen = rm_gate(probe, counts)
@@ -410,7 +418,7 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
            sigma: float | None) -> str:
     n, s0 = cli.num_eval_prompts, evals_of(stages)[0]
     sft_greedy, sft_entropy = s0["eval/greedy_accuracy"], s0["eval/entropy"]
-    g = gates(cli, stages, probe, counts)
+    g = gates(cli, stages, probe, counts, runs)
     failed, said, chosen = g["failed"], g["said"], g["chosen"]
     gated = lambda c, v: f"{said[c]} (the rule alone: {v})" if failed[c] else v  # noqa: E731
     lines = ["# PPO for small LMs on SmolLM2-135M-Instruct (issues 39, 63)", "",
@@ -480,6 +488,10 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
     outcome = sorted(s for a, s in runs if a == "ppo")
     if outcome:
         lines += [*head, *(run_row("ppo", s, runs[("ppo", s)]) for s in outcome)]
+        held = {s: by_kind(runs[("ppo", s)]["rows"][0], "rm/pair_accuracy") for s in outcome}
+        if any(held.values()):  # seed 1's pairs chose the RM; another seed's pairs are outside that choice
+            lines += ["", "The chosen RM's held-out pair accuracy on each seed's own pairs (seed 1's chose it): "
+                      + "; ".join(f"seed {s}: {v}" for s, v in held.items() if v) + "."]
     if outcome == sorted(cli.seeds) and len(outcome) >= 2:
         lines += ["", f"Verdict, outcome: {gated('outcome', outcome_verdict(runs, outcome, n))}."]
     elif failed["outcome"]:
