@@ -229,15 +229,17 @@ def state_file(out_dir: str) -> str:
 
 
 def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr: float, seed: int, desc: str,
-             state_path: str = "", fingerprint: dict | None = None):
+             state_path: str = "", fingerprint: dict | None = None) -> list[float]:
     """AdamW on the trainable (LoRA, score head) parameters: `steps` batches drawn from `pairs`. With `state_path`,
     the trainable tensors, AdamW's state and the batch sampler's are saved there (atomically) every STATE_EVERY steps,
     and a state with the same `fingerprint` is read back first: an interrupted stage continues from its last save with
-    the batches and updates of a run that never stopped. mark_done removes the file once the stage's output is saved."""
+    the batches and updates of a run that never stopped. mark_done removes the file once the stage's output is saved.
+    Returns the loss curve: the mean training loss of each STATE_EVERY-step window (the saved windows included)."""
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(trainable.values(), lr=lr)
-    rng, start = random.Random(seed), 0
+    rng, start, window = random.Random(seed), 0, []
     saved = read_stage_state(state_path, fingerprint)
+    curve = list(saved.get("curve", [])) if saved is not None else []
     if saved is not None:
         with torch.no_grad():
             for n, p in trainable.items():
@@ -252,12 +254,21 @@ def fit_lora(model, pairs: list[Pair], loss_fn, steps: int, batch_size: int, lr:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if state_path and (step + 1) % STATE_EVERY == 0 and step + 1 < steps:
+        window.append(loss.item())
+        if (step + 1) % STATE_EVERY and step + 1 < steps:
+            continue
+        curve.append(sum(window) / len(window))
+        window = []
+        if state_path and step + 1 < steps:
             state = {"fingerprint": fingerprint, "step": step + 1, "optimizer": opt.state_dict(),
                      "params": {n: p.detach().cpu() for n, p in trainable.items()},
-                     "sampler": rng.getstate(), "torch_rng": torch.get_rng_state()}
+                     "sampler": rng.getstate(), "torch_rng": torch.get_rng_state(), "curve": curve}
             torch.save(state, state_path + ".tmp")
             os.replace(state_path + ".tmp", state_path)
+    if curve:
+        print(f"{desc}: training loss {curve[0]:.4f} -> {curve[-1]:.4f} (means of the first and last "
+              f"{STATE_EVERY}-step windows; the curve: loss_curve.json)")
+    return curve
 
 
 def stage_done(out_dir: str, fingerprint: dict) -> bool:
@@ -273,8 +284,11 @@ def stage_done(out_dir: str, fingerprint: dict) -> bool:
     return done
 
 
-def mark_done(out_dir: str, fingerprint: dict) -> None:
-    """After the stage's output is saved: stage.json, and its training state (no longer needed) removed."""
+def mark_done(out_dir: str, fingerprint: dict, curve: list[float]) -> None:
+    """After the stage's output is saved: its loss curve (loss_curve.json), stage.json, and its training state (no
+    longer needed) removed."""
+    with open(os.path.join(out_dir, "loss_curve.json"), "w") as f:
+        json.dump({"window_steps": STATE_EVERY, "mean_loss": curve}, f)
     with open(os.path.join(out_dir, "stage.json"), "w") as f:
         json.dump(fingerprint, f)
     if os.path.exists(state_file(out_dir)):
@@ -296,10 +310,10 @@ def train_sft(args, base: str, tokenizer, pairs: list[Pair], out_dir: str, devic
                      position_ids=position_ids(attn_BT).to(device),
                      labels=ids_BT.masked_fill(comp_BT == 0, -100).to(device)).loss
 
-    fit_lora(model, pairs, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft",
-             state_file(out_dir), fingerprint)
+    curve = fit_lora(model, pairs, loss_fn, args.sft_steps, args.sft_batch_size, args.sft_lr, args.seed, "sft",
+                     state_file(out_dir), fingerprint)
     model.save_pretrained(out_dir)
-    mark_done(out_dir, fingerprint)
+    mark_done(out_dir, fingerprint, curve)
 
 
 def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir: str, device: str) -> None:
@@ -328,11 +342,11 @@ def train_reward_model(args, sft_dir: str, tokenizer, pairs: list[Pair], out_dir
                   position_ids=position_ids(attn_BT).to(device)).logits[:, 0]
         return -torch.nn.functional.logsigmoid(r_2B[: len(batch)] - r_2B[len(batch):]).mean()
 
-    fit_lora(rm, pairs, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model",
-             state_file(out_dir), fingerprint)
+    curve = fit_lora(rm, pairs, loss_fn, args.rm_steps, args.rm_batch_size, args.rm_lr, args.seed + 1, "reward model",
+                     state_file(out_dir), fingerprint)
     rm.merge_and_unload().save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    mark_done(out_dir, fingerprint)
+    mark_done(out_dir, fingerprint, curve)
 
 
 def pair_accuracy(rm, tokenizer, pairs: list[Pair], name: str = "rm/pair_accuracy") -> dict:

@@ -483,7 +483,7 @@ PPO_CLI = types.SimpleNamespace(num_eval_prompts=160, num_eval_pairs=200, steps=
 PPO_KINDS = {"answer": 110, "step": 90}
 
 
-def ppo_report(probe_figures, runs=None, entropy=0.016, naive=None, fix=None):
+def ppo_report(probe_figures, runs=None, entropy=0.016, naive=None, fix=None, curve=None):
     from benchmarks.claims import ppo_slm_smollm2 as ppo_bench
 
     stages = ppo_record(**ppo_rm(*probe_figures[0]), **{"time/stages": 3600.0})
@@ -492,6 +492,8 @@ def ppo_report(probe_figures, runs=None, entropy=0.016, naive=None, fix=None):
     probe = [(name, types.SimpleNamespace(rm_steps=150, num_train_examples=500, rm_lora_r=16),
               stages if i == 0 else ppo_record(**ppo_rm(*fig)))
              for i, ((name, *_), fig) in enumerate(zip(ppo_bench.RM_PROBE, probe_figures))]
+    for _, _, rec in probe[1:]:
+        rec["measured"] = {"rm_loss_curve": curve, "rm_loss_window": 25} if curve else {}
     return ppo_bench.report(PPO_CLI, stages, probe, PPO_KINDS, naive, fix, runs or {}, 0.7)
 
 
@@ -507,6 +509,9 @@ def test_ppo_report_opens_with_the_gate_and_no_outcome_without_an_rm_that_tells_
     text = ppo_report([(0.491, 1.0), (0.7, 0.66)])
     assert "pass (rm_x4_one_pass)" in text and "Gate: outcome: passes;" in text and "Chosen: rm_x4_one_pass." in text
     assert "Verdict, bfloat16: needs a GPU." in text
+    assert "| rm_x4_one_pass | 150 | 500 | 16 | 0.693 -> 0.512 (25 steps) | 0.682 (answer 0.700" in \
+        ppo_report([(0.491, 1.0), (0.7, 0.66)], curve=[0.6931, 0.6, 0.5123])  # the loss curve the RM's folder kept
+    assert "| stages | 150 | 500 | 16 | not kept | " in text
 
 
 def test_ppo_collapse_is_untestable_when_the_steps_cannot_lose_the_entropy_a_collapse_needs():

@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import json
 import logging
 import os
 
@@ -208,8 +209,8 @@ def test_an_interrupted_reward_model_continues_where_it_saved(tiny_model_dir, tm
     from benchmarks.claims import claim_runs
 
     flags = ["--rm-steps", "6", "--total-steps", "0"]
+    monkeypatch.setattr(stages, "STATE_EVERY", 2)  # saves at RM steps 2 and 4, a loss window of 2 steps
     whole = ppo_slm.main(_args(tmp_path, tiny_model_dir, *flags, "--run-name", "whole"))
-    monkeypatch.setattr(stages, "STATE_EVERY", 2)
     real_tqdm = stages.tqdm
 
     def killed_after_5_rm_steps(it, desc="", **kw):
@@ -236,6 +237,9 @@ def test_an_interrupted_reward_model_continues_where_it_saved(tiny_model_dir, tm
     assert not (run_dir / "reward_model.state.pt").exists()
     done, fresh = (load_file(os.path.join(o["reward_model"], "model.safetensors")) for o in (again, whole))
     assert done.keys() == fresh.keys() and all(torch.equal(done[k], fresh[k]) for k in done)
+    curves = [json.load(open(os.path.join(o["reward_model"], "loss_curve.json"))) for o in (again, whole)]
+    assert curves[0] == curves[1] and len(curves[0]["mean_loss"]) == 3  # the windows before the cut kept
+    assert "reward model: training loss " in console.getvalue()
 
 
 def test_a_stage_state_of_other_flags_is_not_continued(tiny_model_dir, tmp_path, monkeypatch):

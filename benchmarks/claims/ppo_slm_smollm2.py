@@ -11,7 +11,8 @@ are passed by path to every arm:
 0. the reward-model probe (`RM_PROBE`, in order, stopping at the first that passes `tells_wrong_answers`): the stages'
    own RM (the last design's recipe, 150 steps of 16 pairs over 500 pairs), then 4x the steps with every pair new
    (one pass over 9,600 pairs: nothing to memorise), then the same at LoRA rank 64. Each reports its held-out pair
-   accuracy by kind and, on as many of its own training pairs, the same: far above held-out, it memorised. Beside it
+   accuracy by kind and, on as many of its own training pairs, the same: far above held-out, it memorised; and its
+   training loss, first and last 25-step window (from ppo_slm_stages' loss_curve.json; near log 2: it learnt nothing). Beside it
    the SFT model's own likelihood on the same pairs (`likelihood_prefers`): whether the backbone the RM starts from
    can tell at all. The last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance: its 'step'
    kind had a string cue it learnt (1.000), the arithmetic it did not; the answer is visible to it (read at the
@@ -211,6 +212,17 @@ def collapse_budget(sft_entropy: float, loss: float, se: float, steps: int, lr: 
     lost, needed = steps * lr * most, COLLAPSE_SHARE * sft_entropy
     return {"can": lost >= needed, "lost": lost, "needed": needed, "per_step": lr * most,
             "steps_needed": needed / (lr * most) if most > 0 else float("inf")}
+
+
+def rm_curve(run_dir: str) -> dict:
+    """The trained RM's loss curve (ppo_slm_stages.fit_lora: the mean Bradley-Terry loss of each window of steps;
+    log 2 = 0.693 is a score that tells nothing) from its folder; {} where the run trained no RM or kept no curve."""
+    try:
+        with open(os.path.join(run_dir, "reward_model", "loss_curve.json")) as f:
+            curve = json.load(f)
+    except OSError:
+        return {}
+    return {"rm_loss_curve": curve["mean_loss"], "rm_loss_window": curve["window_steps"]}
 
 
 @torch.no_grad()
@@ -440,11 +452,13 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
              f"on {stages['measured']['likelihood']:.3f} of the {cli.num_eval_pairs} held-out pairs (by kind: "
              f"{by_kind(stages['measured'], 'likelihood')}): the backbone an RM starts from can tell that much.", "",
              "The reward-model probe (in order, until one tells a wrong answer; pairs of 16 a step, lr 5e-4):", "",
-             "| RM | steps | training pairs | LoRA r | held-out pair accuracy | on its training pairs | tells a wrong "
-             "answer | minutes |", "|---|---|---|---|---|---|---|---|"]
+             "| RM | steps | training pairs | LoRA r | training loss, first -> last window | held-out pair accuracy | "
+             "on its training pairs | tells a wrong answer | minutes |", "|---|---|---|---|---|---|---|---|---|"]
     for name, args, rec in probe:
-        row = rec["rows"][0]
+        row, curve = rec["rows"][0], rec.get("measured", {}).get("rm_loss_curve")
         lines.append(f"| {name} | {args.rm_steps} | {args.num_train_examples} | {args.rm_lora_r} | "
+                     + (f"{curve[0]:.3f} -> {curve[-1]:.3f} ({rec['measured']['rm_loss_window']} steps) | " if curve
+                        else "not kept | ") +
                      f"{row['rm/pair_accuracy']:.3f} ({by_kind(row, 'rm/pair_accuracy')}) | "
                      f"{row.get('rm/train_pair_accuracy', float('nan')):.3f} "
                      f"({by_kind(row, 'rm/train_pair_accuracy')}) | "
@@ -525,7 +539,8 @@ def main():
     os.chdir(ROOT)  # the runs' --sft-adapter / --reward-model are relative: records made in one clone read in another
     make = not cli.report_only
     stages_args = run_args(cli, "stages", 1, "--total-steps", "0")  # SFT, the RM and the SFT policy's evaluation
-    measures = {"stages": lambda d: likelihood_prefers(d, stages_args)}  # by run name; the others: lora_b_moved
+    measures = {"stages": lambda d: {**likelihood_prefers(d, stages_args), **rm_curve(d)},  # by run name
+                **{name: rm_curve for name, *_ in RM_PROBE[1:]}}  # the others: lora_b_moved
     state = {"probe": [], "naive": None, "fix": None, "runs": {}, "sigma": None}
 
     def write():
