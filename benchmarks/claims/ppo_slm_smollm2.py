@@ -14,9 +14,9 @@ are passed by path to every arm:
    accuracy by kind and, on as many of its own training pairs, the same: far above held-out, it memorised; and its
    training loss, first and last 25-step window (ppo_slm_stages' loss_curve.json; near log 2: it learnt nothing).
    Beside it the SFT model's own likelihood on the same pairs (`likelihood_prefers`): whether the backbone the RM
-   starts from can tell at all. The last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance: its 'step'
-   kind had a string cue it learnt (1.000), the arithmetic it did not; the answer is visible to it (read at the
-   last token before the eos, which is also the pad token, after "The answer is N").
+   starts from can tell at all. The last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance:
+   its 'step' kind had a string cue it learnt (1.000), the arithmetic it did not; the answer is visible to it (read
+   at the last token before the eos, which is also the pad token, after "The answer is N").
 1. the adapter freeze: `--policy-init naive_adapter` (the SFT adapter loaded with PeftModel.from_pretrained, as the
    standard PEFT/TRL path does) against merge-and-reinit (`fix`): trainable language-model tensors, whether the LoRA
    moves (its B matrices leave 0) and what the run does; 2 steps each;
