@@ -506,8 +506,8 @@ def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cell
              "Noise: a cell of 40 problems is +-0.15 at p = 0.5 (95 %), of 20 +-0.22.", ""]
     level = sampled[choice]["level"] if choice else None
     ok = [lv for lv, b in base_cells.items() if b is not None and critic_holds(b, lv)]
-    premise_fails = (bool(base_cells) and all(b is not None for b in base_cells.values()) and not ok
-                     or choice is None or lr is None and len(probes) == len(LRS))
+    critics_fail = bool(base_cells) and all(b is not None for b in base_cells.values()) and not ok
+    premise_fails = critics_fail or choice is None or (lr is None and len(probes) == len(LRS))
     if choice and lr is not None and all(s in stage1 for s in cli.seeds):
         gates = gates_of(cli, level, stage1)
         lines += gate_section(list(gates.values()), list(gates))
@@ -517,7 +517,7 @@ def report(cli, sampled: dict, choice, probes: dict, lr, stage1: dict, base_cell
                   "Not reached: the premise fails first (below)." if premise_fails else
                   "Not yet: it needs every seed's Stage 1 (the base model's start and acc_G come from those runs).", ""]
     lines += critic_lines(base_cells, cli)
-    if base_cells and all(b is not None for b in base_cells.values()) and not ok:
+    if critics_fail:
         return "\n".join(lines + ["", "## Verdict: premise fails (on no level do the critics use a right proposal): "
                                   "no arm ran."]) + "\n"
     missing = [lv for lv, b in base_cells.items() if b is None]
