@@ -483,7 +483,7 @@ PPO_CLI = types.SimpleNamespace(num_eval_prompts=160, num_eval_pairs=200, steps=
 PPO_KINDS = {"answer": 110, "step": 90}
 
 
-def ppo_report(probe_figures, runs=None, entropy=0.016, naive=None, fix=None, curve=None):
+def ppo_report(probe_figures, runs=None, entropy=0.016, naive=None, fix=None, curve=None, frozen=None):
     from benchmarks.claims import ppo_slm_smollm2 as ppo_bench
 
     stages = ppo_record(**ppo_rm(*probe_figures[0]), **{"time/stages": 3600.0})
@@ -494,7 +494,7 @@ def ppo_report(probe_figures, runs=None, entropy=0.016, naive=None, fix=None, cu
              for i, ((name, *_), fig) in enumerate(zip(ppo_bench.RM_PROBE, probe_figures))]
     for _, _, rec in probe[1:]:
         rec["measured"] = {"rm_loss_curve": curve, "rm_loss_window": 25} if curve else {}
-    return ppo_bench.report(PPO_CLI, stages, probe, PPO_KINDS, naive, fix, runs or {}, 0.7)
+    return ppo_bench.report(PPO_CLI, stages, probe, PPO_KINDS, naive, fix, runs or {}, 0.7, frozen)
 
 
 def test_ppo_report_opens_with_the_gate_and_no_outcome_without_an_rm_that_tells_a_wrong_answer():
@@ -512,6 +512,30 @@ def test_ppo_report_opens_with_the_gate_and_no_outcome_without_an_rm_that_tells_
     assert "| rm_x4_one_pass | 150 | 500 | 16 | 0.693 -> 0.512 (25 steps) | 0.682 (answer 0.700" in \
         ppo_report([(0.491, 1.0), (0.7, 0.66)], curve=[0.6931, 0.6, 0.5123])  # the loss curve the RM's folder kept
     assert "| stages | 150 | 500 | 16 | not kept | " in text
+
+
+def test_ppo_report_says_whether_the_frozen_backbone_carries_a_wrong_answer_where_no_rm_does():
+    none = [(0.491, 1.0), (0.49, 0.48), (0.5, 0.5)]
+
+    def frozen(answer_eos, step_eos):
+        figures = {"read": (0.52, 0.47), "eos": (answer_eos, step_eos), "mean": (0.55, 0.5)}
+        return {"frozen/train_pairs": 2000,
+                **{f"frozen/{k}": (a * 110 + s * 90) / 200 for k, (a, s) in figures.items()},
+                **{f"frozen/fit/{k}": 0.6 for k in figures},
+                **{f"frozen/{k}/{c}": v for k, fig in figures.items() for c, v in zip(("answer", "step"), fig)}}
+
+    text = ppo_report(none, frozen=frozen(0.55, 0.6))  # the eos is above chance on both kinds, inside the noise
+    assert "Why none: the best linear score head on the SFT backbone's frozen last-layer states (`frozen_readout`: " \
+           "Bradley-Terry on 2000 training pairs), held-out pair accuracy where it reads: the token a score head " \
+           "reads: 0.497 (answer 0.520, step 0.470; 0.600 on its training pairs)" in text
+    assert "Above chance beyond the RM rule's margin: answer: nowhere; step: nowhere. So the answer and step kinds " \
+           "are not linearly in the untrained backbone's states where a score head reads; its likelihood tells it on " \
+           "0.940, 0.760 of those pairs." in text
+    text = ppo_report(none, frozen=frozen(0.70, 0.66))  # beyond it on both (needs 0.632 and 0.645)
+    assert "answer: the eos; step: the eos. So the backbone carries every kind at some read" in text
+    text = ppo_report(none, frozen=frozen(0.50, 0.66))  # a wrong step at the eos, a wrong answer nowhere
+    assert "answer: nowhere; step: the eos. So the answer kind is not linearly" in text
+    assert "Why none" not in ppo_report(none)  # not measured: no line
 
 
 def test_ppo_collapse_is_untestable_when_the_steps_cannot_lose_the_entropy_a_collapse_needs():

@@ -14,9 +14,12 @@ are passed by path to every arm:
    accuracy by kind and, on as many of its own training pairs, the same: far above held-out, it memorised; and its
    training loss, first and last 25-step window (ppo_slm_stages' loss_curve.json; near log 2: it learnt nothing).
    Beside it the SFT model's own likelihood on the same pairs (`likelihood_prefers`): whether the backbone the RM
-   starts from can tell at all. The last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance:
-   its 'step' kind had a string cue it learnt (1.000), the arithmetic it did not; the answer is visible to it (read
-   at the last token before the eos, which is also the pad token, after "The answer is N").
+   starts from can tell at all. If none passes, `frozen_readout` fits the best linear score head on the SFT
+   backbone's frozen last-layer states (2,000 training pairs; at the token a score head reads, at the eos, and the
+   mean over the completion): whether the backbone carries a wrong answer where a score head reads, untrained. The
+   last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance: its 'step' kind had a string cue it
+   learnt (1.000), the arithmetic it did not; the answer is visible to it (read at the last token before the eos,
+   which is also the pad token, after "The answer is N").
 1. the adapter freeze: `--policy-init naive_adapter` (the SFT adapter loaded with PeftModel.from_pretrained, as the
    standard PEFT/TRL path does) against merge-and-reinit (`fix`): trainable language-model tensors, whether the LoRA
    moves (its B matrices leave 0) and what the run does; 2 steps each;
@@ -105,6 +108,8 @@ OLD_NOISY = ("noisy_on_seed1", "noisy_off_seed1", "noisy_on_seed2", "noisy_off_s
 RM_PROBE = (("stages", 1, 0, 16), ("rm_x4_one_pass", 4, 1, 16), ("rm_x4_one_pass_r64", 4, 1, 64))
 """the reward models tried, in order: (name, --rm-steps as a multiple of the stages', passes over fresh pairs (0: the
 stages' 500 pairs, 4.8 passes at 150 steps), LoRA rank); lr 5e-4 and 16 pairs a step throughout"""
+FROZEN_TRAIN_PAIRS = 2000
+"""training pairs of the frozen-state readout (frozen_readout), measured once the probe has found no RM"""
 COLLAPSE_SHARE = 0.5
 """the share of the SFT policy's entropy a collapse needs to lose (declared before the runs)"""
 
@@ -248,6 +253,82 @@ def likelihood_prefers(run_dir: str, args) -> dict:
     return {"likelihood": sum(right) / len(right),
             **{f"likelihood/{k}": float(np.mean([r for r, e in zip(right, pairs) if e.kind == k]))
                for k in sorted({e.kind for e in pairs})}}
+
+
+FROZEN_READS = {"read": "the token a score head reads", "eos": "the eos", "mean": "the mean over the completion"}
+"""where frozen_readout reads the SFT backbone's last-layer state; a score head (transformers' sequence
+classification) reads the last token that is not the pad id: with SmolLM2, whose pad is its eos, the token before it"""
+
+
+def linear_readout(train_d_ND: torch.Tensor, test_d_MD: torch.Tensor, l2: float = 1e-2) -> tuple[float, torch.Tensor]:
+    """A Bradley-Terry score head w on fixed features: minimise mean softplus(-w.d) + l2/2 |w|^2 over the
+    chosen-minus-rejected feature differences d of `train_d_ND` (each feature scaled by its training std; full-batch
+    L-BFGS). Returns its accuracy on those differences and, for each test difference, whether w.d > 0 there.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> d_ND = torch.randn(400, 8, generator=g)
+    >>> d_ND[:, 0] = d_ND[:, 0].abs() + 0.5  # one direction tells chosen from rejected
+    >>> acc, right_M = linear_readout(d_ND[:300], d_ND[300:])
+    >>> acc, right_M.float().mean().item()
+    (1.0, 1.0)
+    >>> acc, right_M = linear_readout(torch.randn(300, 8, generator=g), torch.randn(4000, 8, generator=g))
+    >>> abs(right_M.float().mean().item() - 0.5) < 0.05  # noise: chance on new pairs
+    True
+    """
+    scale_D = train_d_ND.std(0).clamp_min(1e-6)
+    x_ND = (train_d_ND / scale_D).double()
+    w_D = torch.zeros(x_ND.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w_D], max_iter=500, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.softplus(-x_ND @ w_D).mean() + l2 / 2 * w_D.square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    w_D = w_D.detach()
+    return float((x_ND @ w_D > 0).double().mean()), (test_d_MD / scale_D).double() @ w_D > 0
+
+
+@torch.no_grad()
+def frozen_readout(run_dir: str, args, num_train: int) -> dict:
+    """The best linear score head on the SFT backbone's frozen last-layer states (linear_readout, fit on `num_train`
+    training pairs), read at each of FROZEN_READS: its held-out pair accuracy by kind on the RM's held-out pairs.
+    Where the trained RMs sit at chance, this says whether the backbone they start from carries a wrong answer where
+    a score head can read it, without training the backbone."""
+    from common.models import load_model, load_tokenizer
+    from common.rollout import position_ids
+
+    sft_dir = os.path.join(run_dir, "sft_merged")
+    tokenizer, model = load_tokenizer(sft_dir), load_model(sft_dir, "float32", "cpu").eval()
+
+    def differences(pairs: list) -> dict:
+        out = {k: [] for k in FROZEN_READS}
+        for s in range(0, len(pairs), 16):
+            b = pairs[s:s + 16]
+            ids_BT, attn_BT, comp_BT = stages_lib.encode_pairs(tokenizer, [e.prompt for e in b] * 2,
+                                                               [e.chosen for e in b] + [e.rejected for e in b])
+            h_BTD = model.base_model(input_ids=ids_BT, attention_mask=attn_BT,
+                                     position_ids=position_ids(attn_BT)).last_hidden_state.float()
+            read_B = (torch.arange(ids_BT.shape[1]) * (ids_BT != tokenizer.pad_token_id)).argmax(-1)
+            feats = {"read": h_BTD[torch.arange(len(ids_BT)), read_B], "eos": h_BTD[:, -1],
+                     "mean": (h_BTD * comp_BT[..., None]).sum(1) / comp_BT.sum(1, keepdim=True)}
+            for k, f_BD in feats.items():
+                out[k].append(f_BD[: len(b)] - f_BD[len(b):])
+        return {k: torch.cat(v) for k, v in out.items()}
+
+    held = stages_lib.build_pairs(args, "test", args.num_eval_pairs, args.seed, tokenizer)
+    train_d, test_d = differences(stages_lib.build_pairs(args, "train", num_train, args.seed, tokenizer)), \
+        differences(held)
+    res = {"frozen/train_pairs": num_train}
+    with torch.enable_grad():
+        for k in FROZEN_READS:
+            fit, right_M = linear_readout(train_d[k], test_d[k])
+            res |= {f"frozen/{k}": float(right_M.double().mean()), f"frozen/fit/{k}": fit,
+                    **{f"frozen/{k}/{c}": float(np.mean([r for r, e in zip(right_M.tolist(), held) if e.kind == c]))
+                       for c in sorted({e.kind for e in held})}}
+    return res
 
 
 def lora_b_moved(run_dir: str) -> dict:
@@ -427,7 +508,7 @@ def gates(cli, stages: dict, probe: list, counts: dict, runs: dict | None = None
 
 
 def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix: dict | None, runs: dict,
-           sigma: float | None) -> str:
+           sigma: float | None, frozen: dict | None = None) -> str:
     n, s0 = cli.num_eval_prompts, evals_of(stages)[0]
     sft_greedy, sft_entropy = s0["eval/greedy_accuracy"], s0["eval/entropy"]
     g = gates(cli, stages, probe, counts, runs)
@@ -451,7 +532,8 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
              f"{s0['eval/rm_score']:.3f} (the stages' RM). The SFT model's own likelihood prefers the chosen solution "
              f"on {stages['measured']['likelihood']:.3f} of the {cli.num_eval_pairs} held-out pairs (by kind: "
              f"{by_kind(stages['measured'], 'likelihood')}): the backbone an RM starts from can tell that much.", "",
-             "The reward-model probe (in order, until one tells a wrong answer; pairs of 16 a step, lr 5e-4):", "",
+             "The reward-model probe (in order, until one tells a wrong answer; pairs of 16 a step, lr 5e-4; minutes: "
+             "the process that finished it, a resumed RM's earlier sessions not counted):", "",
              "| RM | steps | training pairs | LoRA r | training loss, first -> last window | held-out pair accuracy | "
              "on its training pairs | tells a wrong answer | minutes |", "|---|---|---|---|---|---|---|---|---|"]
     for name, args, rec in probe:
@@ -465,6 +547,24 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
                      f"{'yes' if tells_wrong_answers(row, counts) else 'no'} | {minutes(rec):.0f} |")
     lines += ["", f"Chosen: {chosen}." if chosen else "Chosen: none." if len(probe) == len(RM_PROBE) else
               "Chosen: none yet (the probe goes on: --probe-only)."]
+    if frozen is not None:
+        beyond = {c: [what for k, what in FROZEN_READS.items()
+                      if frozen[f"frozen/{k}/{c}"] - 0.5 > margin(frozen[f"frozen/{k}/{c}"], 0.5, n_c)]
+                  for c, n_c in counts.items()}  # the RM rule's margin, kind by kind
+        nowhere = [c for c, reads in beyond.items() if not reads]
+        lines += ["", f"Why none: the best linear score head on the SFT backbone's frozen last-layer states "
+                  f"(`frozen_readout`: Bradley-Terry on {frozen['frozen/train_pairs']} training pairs), held-out pair "
+                  "accuracy where it reads: " + "; ".join(
+                      f"{what}: {frozen[f'frozen/{k}']:.3f} ({by_kind(frozen, f'frozen/{k}')}; "
+                      f"{frozen[f'frozen/fit/{k}']:.3f} on its training pairs)" for k, what in FROZEN_READS.items())
+                  + ". Above chance beyond the RM rule's margin: " +
+                  "; ".join(f"{c}: {', '.join(reads) or 'nowhere'}" for c, reads in beyond.items()) + ". " +
+                  (f"So the {' and '.join(nowhere)} kind{'s are' if len(nowhere) > 1 else ' is'} not linearly in the "
+                   "untrained backbone's states where a "
+                   "score head reads; its likelihood tells it on " + ", ".join(
+                       f"{stages['measured'][f'likelihood/{c}']:.3f}" for c in nowhere) + " of those pairs."
+                   if nowhere else
+                   "So the backbone carries every kind at some read, and the trained RMs did not learn to read it.")]
     head = ["", "| run | seed | steps | greedy accuracy | RM score | win rate (RM) | win rate (verifier) | entropy | "
             "KL to ref (last 5) | max ratio | guard skips | rollbacks | minutes |", "|---|---|" + "---|" * 11]
     if naive is not None:
@@ -541,12 +641,12 @@ def main():
     stages_args = run_args(cli, "stages", 1, "--total-steps", "0")  # SFT, the RM and the SFT policy's evaluation
     measures = {"stages": lambda d: {**likelihood_prefers(d, stages_args), **rm_curve(d)},  # by run name
                 **{name: rm_curve for name, *_ in RM_PROBE[1:]}}  # the others: lora_b_moved
-    state = {"probe": [], "naive": None, "fix": None, "runs": {}, "sigma": None}
+    state = {"probe": [], "naive": None, "fix": None, "runs": {}, "sigma": None, "frozen": None}
 
     def write():
         with open(cli.out, "w") as f:
             f.write(report(cli, stages, state["probe"], counts, state["naive"], state["fix"], state["runs"],
-                           state["sigma"]))
+                           state["sigma"], state["frozen"]))
 
     def have(args) -> bool:  # a record finished_run reads back: nothing to make
         try:
@@ -582,6 +682,15 @@ def main():
         if tells_wrong_answers(rec["rows"][0], counts):
             chosen = args
             break
+    frozen_path = os.path.join(cli.records, "frozen_readout.json")
+    if chosen is None and len(state["probe"]) == len(RM_PROBE) and (make or os.path.exists(frozen_path)):
+        if make:  # the stages' SFT model, retrained if its folder is gone
+            finished_run(ppo_slm, stages_args, cli.records, measures["stages"], weights=True)
+        state["frozen"] = cached(frozen_path, {"train_pairs": FROZEN_TRAIN_PAIRS, "pairs": cli.num_eval_pairs,
+                                               "sft_steps": cli.sft_steps},
+                                 lambda: frozen_readout(os.path.join(stages_args.output_dir, stages_args.run_name),
+                                                        stages_args, FROZEN_TRAIN_PAIRS), make=make)
+        write()
     if not cli.probe_only:
         rm = rm_folder(chosen) if chosen else ""
         needs = [stages_args] + ([chosen] if chosen and chosen is not stages_args else [])
