@@ -562,8 +562,7 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
                   + ". Above chance beyond the RM rule's margin: " +
                   "; ".join(f"{c}: {', '.join(reads) or 'nowhere'}" for c, reads in beyond.items()) + ". " +
                   (f"So the {' and '.join(nowhere)} kind{'s are' if len(nowhere) > 1 else ' is'} not linearly in the "
-                   "untrained backbone's states where a "
-                   "score head reads; its likelihood tells it on " + ", ".join(
+                   "untrained backbone's states where a score head reads; its likelihood tells it on " + ", ".join(
                        f"{stages['measured'][f'likelihood/{c}']:.3f}" for c in nowhere) + " of those pairs."
                    if nowhere else
                    "So the backbone carries every kind at some read, and the trained RMs did not learn to read it.")]
@@ -686,12 +685,13 @@ def main():
             break
     frozen_path = os.path.join(cli.records, "frozen_readout.json")
     if chosen is None and len(state["probe"]) == len(RM_PROBE) and (make or os.path.exists(frozen_path)):
-        if make:  # the stages' SFT model, retrained if its folder is gone
+        def readout() -> dict:  # the stages' SFT model first, retrained if its folder is gone
             finished_run(ppo_slm, stages_args, cli.records, measures["stages"], weights=True)
+            return frozen_readout(os.path.join(stages_args.output_dir, stages_args.run_name), stages_args,
+                                  FROZEN_TRAIN_PAIRS)
+
         state["frozen"] = cached(frozen_path, {"train_pairs": FROZEN_TRAIN_PAIRS, "pairs": cli.num_eval_pairs,
-                                               "sft_steps": cli.sft_steps},
-                                 lambda: frozen_readout(os.path.join(stages_args.output_dir, stages_args.run_name),
-                                                        stages_args, FROZEN_TRAIN_PAIRS), make=make)
+                                               "sft_steps": cli.sft_steps}, readout, make=make)
         write()
     if not cli.probe_only:
         rm = rm_folder(chosen) if chosen else ""
