@@ -24,8 +24,8 @@ are passed by path to every arm:
    standard PEFT/TRL path does) against merge-and-reinit (`fix`): trainable language-model tensors, whether the LoRA
    moves (its B matrices leave 0) and what the run does; 2 steps each;
 2. bfloat16 ratios: needs a GPU. The overflow needs CUDA passes whose old and new log-probs disagree; on this CPU
-   both come from the same forward in either dtype (issue 56), so nothing runs here. benchmarks/speed/gpu_check.py
-   has no part for it (its part 1 runs ppo_slm.py on CUDA in float32 only);
+   both come from the same forward in either dtype (issue 56), so nothing runs here. On a GPU:
+   `python -m benchmarks.speed.gpu_check --only ppo_ratio` (ppo_slm.py's short testbed run in both dtypes);
 3. reward-model error: N(0, (2 sigma)^2) added to every training score (sigma: the RM score std of the clean run's
    first 5 steps, the paper's stress test) with the safety envelope on (score whitening and clip, reward whitening,
    ratio guard, rollback) and off (all four off), if the gate's budget line says a collapse can happen in the steps;
@@ -582,8 +582,9 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
     lines += ["", "## 2. bfloat16 importance ratios", "",
               "Verdict, bfloat16: needs a GPU. The overflow needs CUDA passes whose old and new log-probs disagree; on "
               "this CPU both come from the same forward (the same dtype and batch size, a float32 log-softmax), so a "
-              "ratio moves only with the update, in either dtype (issue 56). benchmarks/speed/gpu_check.py has no part "
-              "for it: its part 1 runs ppo_slm.py on CUDA in float32 only."]
+              "ratio moves only with the update, in either dtype (issue 56). On a GPU: `python -m "
+              "benchmarks.speed.gpu_check --only ppo_ratio` (ppo_slm.py's short testbed run in both dtypes; not run "
+              "yet)."]
     lines += ["", "## 3. Reward-model error", ""]
     noisy = sorted(k for k in runs if k[0].startswith("noisy"))
     if sigma is not None and noisy:

@@ -4,6 +4,7 @@
     python -m benchmarks.speed.gpu_check --dry-run  # the same commands on CPU at toy sizes (checks this script)
     python -m benchmarks.speed.gpu_check --only scale --size 1.5b --quick  # the memory comparison on a 1.5B body
     python -m benchmarks.speed.gpu_check --only recipe  # part 3: the bf16 recipe moves the weights; update memory
+    python -m benchmarks.speed.gpu_check --only ppo_ratio  # part 4: ppo_slm.py's ratios in bfloat16 and float32
 
 Part 1 runs each trainer's short configuration with `--device cuda` on the embedded testbed (the cached testbed
 models; nothing is downloaded) and reports whether it finished, its last logged reward and held-out accuracy, and
@@ -13,7 +14,9 @@ samples so every completion runs to the cap): 16 prompts x 8 samples x 128 new t
 median of the steps after the first. Configurations: the plain path in bfloat16 with our sampling loop (`hf`) and with
 `model.generate` (`hf_generate`), and `--fsdp` under torchrun with one rank (NCCL) with float32 master weights and
 `--dtype bfloat16`. One GPU cannot show sharding's saving (docs/fsdp.md works it out per rank count); this checks that
-the FSDP2 path runs on CUDA/NCCL and what it costs on one device.
+the FSDP2 path runs on CUDA/NCCL and what it costs on one device. Part 4 runs ppo_slm.py's short configuration with
+`--ppo-dtype bfloat16` and `float32` and counts tokens whose importance ratio goes above 10 (the paper's failure mode
+2, which needs CUDA passes that disagree: on the CPU both log-probs come from the same forward).
 """
 
 import argparse
@@ -63,12 +66,17 @@ def last_values(run_dir: str) -> dict:
     return found
 
 
-def step_times(run_dir: str) -> list[dict]:
+def logged_rows(run_dir: str, key: str) -> list[dict]:
+    """The rows of every metrics.jsonl under `run_dir` that log `key`."""
     rows = []
     for folder, _, files in os.walk(run_dir):
         if "metrics.jsonl" in files:
             rows += [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
-    return [r for r in rows if "perf/step_time" in r]
+    return [r for r in rows if key in r]
+
+
+def step_times(run_dir: str) -> list[dict]:
+    return logged_rows(run_dir, "perf/step_time")
 
 
 def run(cmd: list[str], timeout: int, env: dict | None = None) -> tuple[int, float, str]:
@@ -248,7 +256,51 @@ def part3_recipe(device: str, out_dir: str, timeout: int, dry_run: bool) -> list
     return results
 
 
-def write_report(path: str, header: str, smoke: list[dict], scale: list[dict], recipe: list[dict] = ()) -> None:
+def overflow_verdict(above: dict) -> str:
+    """Part 4's rule on {dtype: tokens with a ratio above 10 or non-finite, over the run}.
+
+    >>> overflow_verdict({"float32": 0, "bfloat16": 7}), overflow_verdict({"float32": 0, "bfloat16": 0})
+    ('shown', 'not shown')
+    >>> overflow_verdict({"float32": 2, "bfloat16": 7}), overflow_verdict({"bfloat16": 7})
+    ('unclear: float32 overflows too', 'unclear: a run logged no step')
+    """
+    if len(above) < 2:
+        return "unclear: a run logged no step"
+    if above["float32"] > 0:
+        return "unclear: float32 overflows too"
+    return "shown" if above["bfloat16"] > 0 else "not shown"
+
+
+def part4_ppo_ratio(device: str, out_dir: str, timeout: int) -> list[dict]:
+    """ppo_slm.py's failure mode 2 (bfloat16 importance ratios overflow), which the CPU cannot show (its old and new
+    log-probs come from the same forward in either dtype): ppo_slm.py's short run with --ppo-dtype float32 and
+    bfloat16, each step's largest token ratio and tokens with a ratio above 10 or non-finite (safety/max_ratio,
+    safety/ratio_above_10, over every minibatch and epoch). The rule: shown if bfloat16 has such tokens and float32
+    none; not shown if neither has; else unclear."""
+    results, above = [], {}
+    for dtype in ("float32", "bfloat16"):
+        run_dir = os.path.join(out_dir, f"ppo_slm-{dtype}")
+        rc, wall, tail = run([sys.executable, "ppo_slm.py", *SHORT["ppo_slm.py"], "--ppo-dtype", dtype,
+                              "--device", device, "--output-dir", run_dir], timeout)
+        rows = logged_rows(run_dir, "safety/max_ratio")
+        if rows:
+            above[dtype] = sum(r["safety/ratio_above_10"] for r in rows)
+        res = {"check": f"ppo_slm.py --ppo-dtype {dtype}: largest token ratio, tokens above 10 or non-finite "
+                        f"({len(rows)} PPO steps)", "rc": rc,
+               "value": (f"{max(r['safety/max_ratio'] for r in rows):.3g}, {above[dtype]:.0f}" if rows
+                         else "no PPO step logged")}
+        if rc != 0:
+            res["error"] = tail
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    results.append({"check": "bfloat16 overflow (tokens above 10 in bfloat16, none in float32)", "rc": 0,
+                    "value": overflow_verdict(above)})
+    print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def write_report(path: str, header: str, smoke: list[dict], scale: list[dict], recipe: list[dict] = (),
+                 ratio: list[dict] = ()) -> None:
     lines = ["# GPU check", "", header, "", "## Every trainer on the GPU (testbed, short runs)", "",
              "| script | exit | wall (s) | last reward/mean | final greedy accuracy | peak GPU memory (GB) |",
              "|---|---|---|---|---|---|"]
@@ -273,7 +325,11 @@ def write_report(path: str, header: str, smoke: list[dict], scale: list[dict], r
         lines += ["", "## The real-model recipe (float32 masters under --dtype bfloat16; update memory at 1,024 tokens)",
                   "", "| check | exit | value |", "|---|---|---|"]
         lines += [f"| {r['check']} | {r['rc']} | {fmt(r.get('value', ''))} |" for r in recipe]
-    errors = [r for r in smoke + scale + list(recipe) if "error" in r]
+    if ratio:
+        lines += ["", "## ppo_slm.py's importance ratios by dtype (its failure mode 2)", "",
+                  "| check | exit | value |", "|---|---|---|"]
+        lines += [f"| {r['check']} | {r['rc']} | {fmt(r.get('value', ''))} |" for r in ratio]
+    errors = [r for r in smoke + scale + list(recipe) + list(ratio) if "error" in r]
     if errors:
         lines += ["", "## Errors", ""]
         for r in errors:
@@ -286,7 +342,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check this script without a GPU")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "speed", "gpu_check.md"))
-    p.add_argument("--only", choices=["all", "smoke", "smoke_fsdp", "scale", "recipe"], default="all")
+    p.add_argument("--only", choices=["all", "smoke", "smoke_fsdp", "scale", "recipe", "ppo_ratio"], default="all")
     p.add_argument("--timeout", type=int, default=150, help="seconds per command")
     p.add_argument("--size", choices=sorted(SIZES), default="0.5b", help="model body of part 2")
     p.add_argument("--quick", action="store_true", help="part 2: two configurations, 64 tokens, 4 steps")
@@ -305,7 +361,8 @@ def main():
         smoke += part1(device, tmp, a.timeout, fsdp=True) if a.only in ("all", "smoke_fsdp") else []
         scale = part2(device, tmp, a.timeout, a.dry_run, a.size, a.quick) if a.only in ("all", "scale") else []
         recipe = part3_recipe(device, tmp, a.timeout, a.dry_run) if a.only in ("all", "recipe") else []
-    write_report(a.out, header, smoke, scale, recipe)
+        ratio = part4_ppo_ratio(device, tmp, a.timeout) if a.only in ("all", "ppo_ratio") else []
+    write_report(a.out, header, smoke, scale, recipe, ratio)
     print(open(a.out).read())
 
 
