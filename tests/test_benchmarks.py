@@ -535,6 +535,13 @@ def test_ppo_report_says_whether_the_frozen_backbone_carries_a_wrong_answer_wher
     assert "answer: the eos; step: the eos. So the backbone carries every kind at some read" in text
     text = ppo_report(none, frozen=frozen(0.50, 0.66))  # a wrong step at the eos, a wrong answer nowhere
     assert "answer: nowhere; step: the eos. So the answer kind is not linearly" in text
+    assert "The score head alone" not in text  # a record without it
+    recipe = {"frozen/recipe_head": 0.455, "frozen/fit/recipe_head": 0.564, "frozen/recipe_head/answer": 0.427,
+              "frozen/recipe_head/step": 0.489, "frozen/recipe_head_steps": 600, "frozen/recipe_head_lr": 5e-4,
+              "frozen/recipe_head_batch": 16}
+    assert "The score head alone, trained on the same states at the read position with the RMs' optimiser (AdamW, " \
+           "lr 0.0005, 600 steps of 16 pairs, from transformers' initialisation): 0.455 (answer 0.427, step 0.489; " \
+           "0.564 on its training pairs)." in ppo_report(none, frozen={**frozen(0.50, 0.66), **recipe})
     assert "Why none" not in ppo_report(none)  # not measured: no line
 
 

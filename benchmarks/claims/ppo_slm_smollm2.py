@@ -16,10 +16,11 @@ are passed by path to every arm:
    Beside it the SFT model's own likelihood on the same pairs (`likelihood_prefers`): whether the backbone the RM
    starts from can tell at all. If none passes, `frozen_readout` fits the best linear score head on the SFT
    backbone's frozen last-layer states (2,000 training pairs; at the token a score head reads, at the eos, and the
-   mean over the completion): whether the backbone carries a wrong answer where a score head reads, untrained. The
-   last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance: its 'step' kind had a string cue it
-   learnt (1.000), the arithmetic it did not; the answer is visible to it (read at the last token before the eos,
-   which is also the pad token, after "The answer is N").
+   mean over the completion): whether the backbone carries a wrong answer where a score head reads, untrained; and
+   the head alone trained on those states with the RMs' optimiser (`recipe_head`): whether that optimiser finds what
+   is there. The last design's RM (testbed-nl version 1) was 0.491 on the answer kind, chance: its 'step' kind had a
+   string cue it learnt (1.000), the arithmetic it did not; the answer is visible to it (read at the last token before
+   the eos, which is also the pad token, after "The answer is N").
 1. the adapter freeze: `--policy-init naive_adapter` (the SFT adapter loaded with PeftModel.from_pretrained, as the
    standard PEFT/TRL path does) against merge-and-reinit (`fix`): trainable language-model tensors, whether the LoRA
    moves (its B matrices leave 0) and what the run does; 2 steps each;
@@ -86,6 +87,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import time
 
 import numpy as np
@@ -293,6 +295,33 @@ def linear_readout(train_d_ND: torch.Tensor, test_d_MD: torch.Tensor, l2: float 
     return float((x_ND @ w_D > 0).double().mean()), (test_d_MD / scale_D).double() @ w_D > 0
 
 
+def recipe_head(train_d_ND: torch.Tensor, test_d_MD: torch.Tensor, steps: int, batch_size: int, lr: float,
+                init_std: float, seed: int) -> tuple[float, torch.Tensor]:
+    """The score head alone trained as the RM stage trains its (ppo_slm_stages.fit_lora: AdamW at `lr`, `steps`
+    batches of `batch_size` pairs drawn at random, from N(0, init_std^2) as transformers initialises it) on fixed,
+    unscaled feature differences: its accuracy on the training differences and, per test difference, whether right.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> d_ND = torch.randn(400, 8, generator=g)
+    >>> d_ND[:, 0] = d_ND[:, 0].abs() + 0.5
+    >>> acc, right_M = recipe_head(d_ND[:300], d_ND[300:], 200, 16, 5e-2, 0.02, 0)
+    >>> acc, right_M.float().mean().item()
+    (1.0, 1.0)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    w_D = (torch.randn(train_d_ND.shape[1], generator=gen) * init_std).requires_grad_()
+    opt = torch.optim.AdamW([w_D], lr=lr)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        idx = rng.sample(range(len(train_d_ND)), batch_size)
+        loss = torch.nn.functional.softplus(-train_d_ND[idx] @ w_D).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    w_D = w_D.detach()
+    return float((train_d_ND @ w_D > 0).double().mean()), test_d_MD @ w_D > 0
+
+
 @torch.no_grad()
 def frozen_readout(run_dir: str, args, num_train: int) -> dict:
     """The best linear score head on the SFT backbone's frozen last-layer states (linear_readout, fit on `num_train`
@@ -324,12 +353,20 @@ def frozen_readout(run_dir: str, args, num_train: int) -> dict:
     train_d, test_d = differences(stages_lib.build_pairs(args, "train", num_train, args.seed, tokenizer)), \
         differences(held)
     res = {"frozen/train_pairs": num_train}
+
+    def record(name: str, fit: float, right_M: torch.Tensor) -> dict:
+        return {f"frozen/{name}": float(right_M.double().mean()), f"frozen/fit/{name}": fit,
+                **{f"frozen/{name}/{c}": float(np.mean([r for r, e in zip(right_M.tolist(), held) if e.kind == c]))
+                   for c in sorted({e.kind for e in held})}}
+
     with torch.enable_grad():
         for k in FROZEN_READS:
-            fit, right_M = linear_readout(train_d[k], test_d[k])
-            res |= {f"frozen/{k}": float(right_M.double().mean()), f"frozen/fit/{k}": fit,
-                    **{f"frozen/{k}/{c}": float(np.mean([r for r, e in zip(right_M.tolist(), held) if e.kind == c]))
-                       for c in sorted({e.kind for e in held})}}
+            res |= record(k, *linear_readout(train_d[k], test_d[k]))
+        steps = RM_PROBE[-1][1] * args.rm_steps  # the probe's last RMs' steps, at the read position
+        res |= record("recipe_head", *recipe_head(train_d["read"], test_d["read"], steps, args.rm_batch_size,
+                                                  args.rm_lr, model.config.initializer_range, args.seed + 1))
+        res |= {"frozen/recipe_head_steps": steps, "frozen/recipe_head_lr": args.rm_lr,
+                "frozen/recipe_head_batch": args.rm_batch_size}
     return res
 
 
@@ -566,6 +603,13 @@ def report(cli, stages: dict, probe: list, counts: dict, naive: dict | None, fix
                        f"{stages['measured'][f'likelihood/{c}']:.3f}" for c in nowhere) + " of those pairs."
                    if nowhere else
                    "So the backbone carries every kind at some read, and the trained RMs did not learn to read it.")]
+        if "frozen/recipe_head" in frozen:
+            lines[-1] += (" The score head alone, trained on the same states at the read position with the RMs' "
+                          f"optimiser (AdamW, lr {frozen['frozen/recipe_head_lr']:g}, "
+                          f"{frozen['frozen/recipe_head_steps']} steps of {frozen['frozen/recipe_head_batch']} pairs, "
+                          "from transformers' initialisation): "
+                          f"{frozen['frozen/recipe_head']:.3f} ({by_kind(frozen, 'frozen/recipe_head')}; "
+                          f"{frozen['frozen/fit/recipe_head']:.3f} on its training pairs).")
     head = ["", "| run | seed | steps | greedy accuracy | RM score | win rate (RM) | win rate (verifier) | entropy | "
             "KL to ref (last 5) | max ratio | guard skips | rollbacks | minutes |", "|---|---|" + "---|" * 11]
     if naive is not None:
@@ -692,7 +736,7 @@ def main():
                                   FROZEN_TRAIN_PAIRS)
 
         state["frozen"] = cached(frozen_path, {"train_pairs": FROZEN_TRAIN_PAIRS, "pairs": cli.num_eval_pairs,
-                                               "sft_steps": cli.sft_steps}, readout, make=make)
+                                               "sft_steps": cli.sft_steps, "recipe_head": True}, readout, make=make)
         write()
     if not cli.probe_only:
         rm = rm_folder(chosen) if chosen else ""
