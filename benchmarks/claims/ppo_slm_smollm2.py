@@ -70,7 +70,7 @@ budget; about 7.5 hours to find that no RM passes (no arm then runs); 10 hours a
 claim (../shared/CLAIMS.md) that is a 2x to 7x overrun, almost all of it the reward model. Alone on 2 threads
 (issue 63's third session) an RM step of the probe took about 9.4 s: about 95 minutes for a 600-step RM. Measured in
 all (issue 63's fifth session, when the probe ended with no RM): about 4.3 hours (stages 66 minutes, the two further
-RMs about 91 and 92, frozen_readout 6), a 2.8x overrun, all of it the reward model; no arm ran.
+RMs about 91 and 92, frozen_readout 7), a 2.8x overrun, all of it the reward model; no arm ran.
 
 Every finished run is a record in benchmarks/claims/runs/ppo_slm_smollm2/v2/ (claim_runs.py); the last design's
 records (testbed-nl version 1) stay in the folder above it, read only for the entropy a noisy-RM step loses. ppo_slm.py
