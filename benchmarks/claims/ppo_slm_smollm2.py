@@ -234,29 +234,46 @@ def rm_curve(run_dir: str) -> dict:
     return {"rm_loss_curve": curve["mean_loss"], "rm_loss_window": curve["window_steps"]}
 
 
+def sft_model(run_dir: str):
+    """The stages' SFT model (its adapter merged: sft_merged) and tokenizer, float32 on the CPU, in eval mode."""
+    from common.models import load_model, load_tokenizer
+
+    sft_dir = os.path.join(run_dir, "sft_merged")
+    return load_tokenizer(sft_dir), load_model(sft_dir, "float32", "cpu").eval()
+
+
+def pair_batches(tokenizer, pairs: list, size: int):
+    """`size` pairs at a time: (the number n of pairs, then ids, attention mask and completion mask of 2n left-padded
+    rows, the chosen completions first and the rejected ones after)."""
+    for s in range(0, len(pairs), size):
+        b = pairs[s:s + size]
+        yield len(b), *stages_lib.encode_pairs(tokenizer, [e.prompt for e in b] * 2,
+                                               [e.chosen for e in b] + [e.rejected for e in b])
+
+
+def kind_means(right: list, pairs: list, name: str) -> dict:
+    """{name: the fraction of `right` that is true, name/<kind>: the same over each kind of `pairs`}."""
+    return {name: float(np.mean(right)),
+            **{f"{name}/{k}": float(np.mean([r for r, e in zip(right, pairs) if e.kind == k]))
+               for k in sorted({e.kind for e in pairs})}}
+
+
 @torch.no_grad()
 def likelihood_prefers(run_dir: str, args) -> dict:
     """How often the SFT model's own likelihood (the summed log-probs of the completion tokens) is higher for the
     chosen solution than for the rejected one, on the RM's held-out pairs, by kind: whether the backbone the RM
     starts from can tell them apart at all."""
-    from common.models import load_model, load_tokenizer
     from common.rollout import position_ids
 
-    sft_dir = os.path.join(run_dir, "sft_merged")
-    tokenizer, model = load_tokenizer(sft_dir), load_model(sft_dir, "float32", "cpu").eval()
+    tokenizer, model = sft_model(run_dir)
     pairs = stages_lib.build_pairs(args, "test", args.num_eval_pairs, args.seed, tokenizer)
     right = []
-    for s in range(0, len(pairs), 8):
-        b = pairs[s:s + 8]
-        ids_BT, attn_BT, comp_BT = stages_lib.encode_pairs(tokenizer, [e.prompt for e in b] * 2,
-                                                           [e.chosen for e in b] + [e.rejected for e in b])
+    for n, ids_BT, attn_BT, comp_BT in pair_batches(tokenizer, pairs, 8):
         logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=position_ids(attn_BT)).logits
         logp_BT = torch.log_softmax(logits_BTV[:, :-1].float(), -1).gather(-1, ids_BT[:, 1:, None])[..., 0]
         total_B = (logp_BT * comp_BT[:, 1:]).sum(1)
-        right += (total_B[: len(b)] > total_B[len(b):]).tolist()
-    return {"likelihood": sum(right) / len(right),
-            **{f"likelihood/{k}": float(np.mean([r for r, e in zip(right, pairs) if e.kind == k]))
-               for k in sorted({e.kind for e in pairs})}}
+        right += (total_B[:n] > total_B[n:]).tolist()
+    return kind_means(right, pairs, "likelihood")
 
 
 FROZEN_READS = {"read": "the token a score head reads", "eos": "the eos", "mean": "the mean over the completion"}
@@ -328,37 +345,28 @@ def frozen_readout(run_dir: str, args, num_train: int) -> dict:
     training pairs), read at each of FROZEN_READS: its held-out pair accuracy by kind on the RM's held-out pairs.
     Where the trained RMs sit at chance, this says whether the backbone they start from carries a wrong answer where
     a score head can read it, without training the backbone."""
-    from common.models import load_model, load_tokenizer
     from common.rollout import position_ids
 
-    sft_dir = os.path.join(run_dir, "sft_merged")
-    tokenizer, model = load_tokenizer(sft_dir), load_model(sft_dir, "float32", "cpu").eval()
+    tokenizer, model = sft_model(run_dir)
 
     def differences(pairs: list) -> dict:
         out = {k: [] for k in FROZEN_READS}
-        for s in range(0, len(pairs), 16):
-            b = pairs[s:s + 16]
-            ids_BT, attn_BT, comp_BT = stages_lib.encode_pairs(tokenizer, [e.prompt for e in b] * 2,
-                                                               [e.chosen for e in b] + [e.rejected for e in b])
+        for n, ids_BT, attn_BT, comp_BT in pair_batches(tokenizer, pairs, 16):
             h_BTD = model.base_model(input_ids=ids_BT, attention_mask=attn_BT,
                                      position_ids=position_ids(attn_BT)).last_hidden_state.float()
             read_B = (torch.arange(ids_BT.shape[1]) * (ids_BT != tokenizer.pad_token_id)).argmax(-1)
             feats = {"read": h_BTD[torch.arange(len(ids_BT)), read_B], "eos": h_BTD[:, -1],
                      "mean": (h_BTD * comp_BT[..., None]).sum(1) / comp_BT.sum(1, keepdim=True)}
             for k, f_BD in feats.items():
-                out[k].append(f_BD[: len(b)] - f_BD[len(b):])
+                out[k].append(f_BD[:n] - f_BD[n:])
         return {k: torch.cat(v) for k, v in out.items()}
 
     held = stages_lib.build_pairs(args, "test", args.num_eval_pairs, args.seed, tokenizer)
     train_d, test_d = differences(stages_lib.build_pairs(args, "train", num_train, args.seed, tokenizer)), \
         differences(held)
     res = {"frozen/train_pairs": num_train}
-
-    def record(name: str, fit: float, right_M: torch.Tensor) -> dict:
-        return {f"frozen/{name}": float(right_M.double().mean()), f"frozen/fit/{name}": fit,
-                **{f"frozen/{name}/{c}": float(np.mean([r for r, e in zip(right_M.tolist(), held) if e.kind == c]))
-                   for c in sorted({e.kind for e in held})}}
-
+    record = lambda name, fit, right_M: {**kind_means(right_M.tolist(), held, f"frozen/{name}"),  # noqa: E731
+                                         f"frozen/fit/{name}": fit}
     with torch.enable_grad():
         for k in FROZEN_READS:
             res |= record(k, *linear_readout(train_d[k], test_d[k]))
